@@ -1,0 +1,1 @@
+"""RL algorithms: advantages and policy losses as pure tensor functions."""

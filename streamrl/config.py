@@ -1,0 +1,289 @@
+"""Typed run configuration: one dataclass per component, YAML files, ``key=value`` overrides.
+
+Why dataclasses and not a dict: every field has a type, a default and a one-line doc, and
+:func:`load_config` validates the whole tree at load time so a typo or a bad value fails
+before any process starts, with an error that names the dotted field and the value.
+
+Examples:
+    >>> cfg = load_config("configs/tiny.yaml", ["learner.lr=3e-3", "rollout.group_size=4"])
+    >>> cfg.learner.lr
+    0.003
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; the message names it."""
+
+
+def _check(cond: bool, name: str, value: Any, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"config field '{name}' = {value!r}: {why}")
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    """Run name; namespaces every Redis key of the run."""
+    seed: int = 0
+    """Global seed: model init, prompt streams and sampling derive from it."""
+    steps: int = 40
+    """Number of learner optimizer steps before the run stops."""
+    run_dir: str = "runs/latest"
+    """Directory for metrics.jsonl, summary.json, logs and checkpoints."""
+
+    def validate(self, p: str) -> None:
+        _check(self.steps > 0, f"{p}.steps", self.steps, "must be > 0")
+        _check(bool(self.name) and ":" not in self.name, f"{p}.name", self.name,
+               "must be non-empty and contain no ':'")
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """HF model folder to load; empty builds the tiny random MoE below."""
+    hidden_size: int = 64
+    """Model width (divisible by 32 so vLLM's CPU MoE kernel can run it)."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_heads: int = 2
+    """Attention heads."""
+    num_kv_heads: int = 1
+    """Key/value heads (grouped-query attention)."""
+    head_dim: int = 32
+    """Per-head width (>= 32 for vLLM CPU attention)."""
+    num_experts: int = 4
+    """Routed experts per MoE layer."""
+    experts_per_token: int = 2
+    """Top-k experts each token is routed to."""
+    expert_size: int = 64
+    """Expert MLP intermediate width (divisible by 32)."""
+    max_positions: int = 128
+    """Maximum sequence length."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 or bfloat16."""
+
+    def validate(self, p: str) -> None:
+        for name in ("hidden_size", "expert_size"):
+            v = getattr(self, name)
+            _check(v > 0 and v % 32 == 0, f"{p}.{name}", v, "must be a positive multiple of 32")
+        _check(self.head_dim >= 32, f"{p}.head_dim", self.head_dim, "must be >= 32")
+        _check(self.num_layers > 0, f"{p}.num_layers", self.num_layers, "must be > 0")
+        _check(self.num_heads > 0 and self.num_heads % max(self.num_kv_heads, 1) == 0,
+               f"{p}.num_heads", self.num_heads, "must be a positive multiple of num_kv_heads")
+        _check(self.num_experts > 0, f"{p}.num_experts", self.num_experts, "must be > 0")
+        _check(0 < self.experts_per_token <= self.num_experts, f"{p}.experts_per_token",
+               self.experts_per_token, f"must be in [1, num_experts={self.num_experts}]")
+        _check(self.dtype in ("float32", "bfloat16"), f"{p}.dtype", self.dtype,
+               "must be float32 or bfloat16")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "copy_digits"
+    """Registered task name (see streamrl.tasks.registry)."""
+    num_digits: int = 4
+    """Digits per prompt for digit tasks; operand digits for arithmetic."""
+    eval_size: int = 64
+    """Held-out prompts for evaluation."""
+
+    def validate(self, p: str) -> None:
+        from streamrl.tasks import available_tasks
+
+        _check(self.name in available_tasks(), f"{p}.name", self.name,
+               f"unknown task; known: {sorted(available_tasks())}")
+        _check(1 <= self.num_digits <= 12, f"{p}.num_digits", self.num_digits, "must be in [1, 12]")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """Generation engine: 'hf' (transformers) or 'vllm'."""
+    group_size: int = 8
+    """Completions sampled per prompt (one GRPO group)."""
+    prompts_per_batch: int = 4
+    """Prompts generated together; their groups are sent as one message."""
+    max_new_tokens: int = 8
+    """Response length cap."""
+    temperature: float = 1.0
+    """Sampling temperature (behaviour log-probs are of the tempered distribution)."""
+    device: str = "cpu"
+    """Device for the engine."""
+
+    def validate(self, p: str) -> None:
+        _check(self.engine in ("hf", "vllm"), f"{p}.engine", self.engine, "must be 'hf' or 'vllm'")
+        _check(self.group_size >= 2, f"{p}.group_size", self.group_size,
+               "must be >= 2 (group-relative advantages need a group)")
+        _check(self.prompts_per_batch >= 1, f"{p}.prompts_per_batch", self.prompts_per_batch, "must be >= 1")
+        _check(self.max_new_tokens >= 1, f"{p}.max_new_tokens", self.max_new_tokens, "must be >= 1")
+        _check(self.temperature > 0, f"{p}.temperature", self.temperature, "must be > 0")
+
+
+@dataclass
+class LearnerConfig:
+    lr: float = 3e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    groups_per_step: int = 8
+    """Prompt groups consumed by one optimizer step (global, across data-parallel ranks)."""
+    max_staleness: int = 4
+    """Largest accepted version lag (learner version - oldest token version); 0 = on-policy."""
+    loss: str = "grpo_tis"
+    """Policy loss: grpo_tis (PPO-clip with truncated IS), grpo_no_correction."""
+    clip_low: float = 0.2
+    """PPO clip epsilon below 1."""
+    clip_high: float = 0.28
+    """PPO clip epsilon above 1 (clip-higher)."""
+    tis_cap: float = 2.0
+    """Truncation cap of the behaviour importance weight."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    aux_loss_coef: float = 0.01
+    """MoE load-balancing loss coefficient."""
+    publish_interval: int = 1
+    """Publish weights every this many steps."""
+    device: str = "cpu"
+    """Learner device ('cpu' or 'cuda'; ranks use their local GPU)."""
+
+    def validate(self, p: str) -> None:
+        _check(self.lr > 0, f"{p}.lr", self.lr, "must be > 0")
+        _check(self.groups_per_step >= 1, f"{p}.groups_per_step", self.groups_per_step, "must be >= 1")
+        _check(self.max_staleness >= 0, f"{p}.max_staleness", self.max_staleness, "must be >= 0")
+        _check(self.loss in ("grpo_tis", "grpo_no_correction"), f"{p}.loss", self.loss,
+               "must be grpo_tis or grpo_no_correction")
+        _check(0 < self.clip_low < 1, f"{p}.clip_low", self.clip_low, "must be in (0, 1)")
+        _check(self.clip_high > 0, f"{p}.clip_high", self.clip_high, "must be > 0")
+        _check(self.tis_cap >= 1, f"{p}.tis_cap", self.tis_cap, "must be >= 1")
+        _check(self.publish_interval >= 1, f"{p}.publish_interval", self.publish_interval, "must be >= 1")
+
+
+@dataclass
+class TransportConfig:
+    hwm: int = 8
+    """ZeroMQ high-water mark (messages) on each trajectory socket: bounds queued memory."""
+    max_message_bytes: int = 256 * 1024 * 1024
+    """Largest accepted trajectory message; larger frames are rejected unread."""
+
+    def validate(self, p: str) -> None:
+        _check(self.hwm >= 1, f"{p}.hwm", self.hwm, "must be >= 1")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(f.name)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Coerce a YAML/CLI value to the annotated field type, or raise naming the field."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        tp = args[0]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config field '{name}' = {value!r}: expected true or false")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"config field '{name}' = {value!r}: expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads '1e-3' (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config field '{name}' = {value!r}: expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"config field '{name}' = {value!r}: expected a string")
+        return str(value)
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section '{prefix or 'root'}' = {data!r}: expected a mapping")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(f"config field '{where}' is unknown; known fields: {sorted(known)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        name = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, data[f.name] or {}, name)
+        else:
+            kwargs[f.name] = _coerce(data[f.name], tp, name)
+    return cls(**kwargs)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split ``a.b=value`` into (["a", "b"], parsed value); values are parsed as YAML scalars."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    key, raw = item.split("=", 1)
+    path = [k for k in key.strip().split(".") if k]
+    if not path:
+        raise ConfigError(f"override {item!r} has an empty key")
+    return path, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (or the defaults), apply ``key=value`` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{k}' is not a section")
+        node[keys[-1]] = value
+    return _build(Config, data, "").validate()
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a validated Config from :meth:`Config.to_dict` output (e.g. read back from Redis)."""
+    return _build(Config, data, "").validate()

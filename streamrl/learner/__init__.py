@@ -1,0 +1,1 @@
+"""Learner: staleness-aware buffer, FSDP2 trainer, batch distribution across ranks."""

@@ -1,0 +1,63 @@
+"""Staleness-aware trajectory buffer: complete groups, bounded version lag, counted drops."""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from tensordict import TensorDict
+
+from streamrl.trajectory import concat_trajectories, min_version, split_trajectories
+
+
+class StalenessBuffer:
+    """Collects trajectories into complete prompt groups and hands out training batches.
+
+    A group is admitted to a batch when all ``group_size`` trajectories arrived and its
+    oldest token version lags the learner by at most ``max_staleness``; older groups are
+    dropped and counted (``dropped_stale`` trajectories), never trained on.
+    """
+
+    def __init__(self, group_size: int, max_staleness: int):
+        self.group_size = group_size
+        self.max_staleness = max_staleness
+        self._groups: OrderedDict[int, list[TensorDict]] = OrderedDict()
+        self.dropped_stale = 0
+        self.dropped_stale_groups = 0
+        self.lag_histogram: Counter[int] = Counter()
+
+    def add(self, td: TensorDict) -> None:
+        for item in split_trajectories(td):
+            self._groups.setdefault(int(item["group_id"][0]), []).append(item)
+
+    def complete_groups(self) -> int:
+        return sum(len(g) >= self.group_size for g in self._groups.values())
+
+    def pending_trajectories(self) -> int:
+        return sum(len(g) for g in self._groups.values())
+
+    def drop_stale(self, version: int) -> int:
+        """Drop groups too old for ``version``; returns how many groups were dropped."""
+        dropped = 0
+        for gid in list(self._groups):
+            items = self._groups[gid]
+            if version - min(min_version(t) for t in items) > self.max_staleness:
+                self.dropped_stale += len(items)
+                self.dropped_stale_groups += 1
+                del self._groups[gid]
+                dropped += 1
+        return dropped
+
+    def take(self, n_groups: int, version: int) -> TensorDict | None:
+        """Pop ``n_groups`` complete, fresh groups (oldest first) as one packed batch, or None."""
+        ready = [gid for gid, g in self._groups.items() if len(g) >= self.group_size]
+        if len(ready) < n_groups:
+            return None
+        items = []
+        for gid in ready[:n_groups]:
+            group = self._groups.pop(gid)[: self.group_size]
+            self.lag_histogram[version - min(min_version(t) for t in group)] += len(group)
+            items.extend(group)
+        return concat_trajectories(items)
+
+    def pending(self) -> list[TensorDict]:
+        """Everything buffered (for checkpoints)."""
+        return [t for g in self._groups.values() for t in g]

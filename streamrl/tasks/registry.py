@@ -1,0 +1,71 @@
+"""Task registry: a task makes prompts with known answers and scores responses.
+
+Tasks speak text, not token ids, so the same task serves the tiny character-level model
+and a real pretrained model with its own tokenizer.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt and the answer its reward is checked against."""
+
+    prompt: str
+    answer: str
+
+
+class Task(Protocol):
+    name: str
+
+    def sample(self, rng: random.Random) -> Problem:
+        """Draw one problem using only ``rng`` (so prompt streams are reproducible)."""
+
+    def reward(self, problem: Problem, response: str) -> float:
+        """Score a decoded response in [0, 1]."""
+
+
+_REGISTRY: dict[str, Callable[..., Task]] = {}
+
+
+def register_task(name: str):
+    """Class decorator: ``@register_task("copy_digits")``."""
+
+    def wrap(cls):
+        _REGISTRY[name] = cls
+        cls.name = name
+        return cls
+
+    return wrap
+
+
+def available_tasks() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_task(name: str, **kwargs) -> Task:
+    """Instantiate a registered task; unknown names raise naming the known ones."""
+    if name not in _REGISTRY:
+        raise ValueError(f"task.name = {name!r} is unknown; known tasks: {available_tasks()}")
+    return _REGISTRY[name](**kwargs)
+
+
+def problem_stream(task: Task, seed: int, shard: int, num_shards: int):
+    """Endless, reproducible problems for one shard of the prompt space.
+
+    Shard ``s`` of ``n`` draws problem ``i`` from a generator seeded by (seed, i*n + s), so
+    shards never overlap and a restarted worker can resume from a cursor.
+    """
+    i = 0
+    while True:
+        rng = random.Random(f"{seed}:{i * num_shards + shard}")
+        yield task.sample(rng)
+        i += 1
+
+
+def eval_problems(task: Task, seed: int, count: int) -> list[Problem]:
+    """A held-out evaluation set, disjoint in seed space from training streams."""
+    return [task.sample(random.Random(f"eval:{seed}:{i}")) for i in range(count)]

@@ -1,0 +1,1 @@
+"""Data plane from rollout workers to the learner: codec and ZeroMQ channel."""

@@ -1,0 +1,1 @@
+"""Versioned weight broadcast: learner publisher, worker subscriber, Redis manifests."""

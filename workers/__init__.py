@@ -1,0 +1,1 @@
+"""Process entry points: ``streamrl.workers.learner`` and ``streamrl.workers.rollout``."""
