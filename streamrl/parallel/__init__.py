@@ -1,0 +1,1 @@
+"""Device mesh and parallelism (data-parallel shard x expert-parallel)."""
