@@ -28,4 +28,6 @@ def group_advantages(reward: torch.Tensor, group_id: torch.Tensor, normalize_std
     if not normalize_std:
         return centred
     var = torch.zeros(n_groups, dtype=reward.dtype).index_add_(0, inverse, centred**2) / (count - 1).clamp(min=1)
-    return centred / (var.sqrt()[inverse] + eps)
+    std = var.sqrt()[inverse]
+    # A group whose rewards are all equal carries no signal: 0, never 0/0.
+    return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))

@@ -6,20 +6,141 @@ Notation (all [B, T] over next-token positions, masked by ``mask``):
     behav_logp  log mu(token): the (possibly stale) policy that sampled the token
 
 Decoupled PPO (AReaL): the PPO ratio is taken against the proximal policy,
-``r = pi_theta / pi_prox``, while the off-policy gap ``pi_prox / mu`` is corrected by a
-truncated importance weight ``w = min(pi_prox / mu, C)`` (truncated IS, Espeholt et al.).
+``r = pi_theta / pi_prox``, while the off-policy gap ``pi_prox / mu`` is corrected by an
+importance weight (truncated: ``min(w, C)``, Espeholt et al.; or masked: ``w * 1[w <= C]``).
 With one optimizer step per batch, pi_prox == pi_theta numerically, r == 1 and the
-correction is exactly the truncated IS weight on the policy gradient.
+correction is exactly the importance weight on the policy gradient.
+
+Every function here is pure: tensors in, tensors (and float stats) out. Per-token loss
+matrices are reduced by :func:`aggregate`; the V-trace estimator lives in
+:mod:`streamrl.algorithms.vtrace`, KL / entropy terms in :mod:`streamrl.algorithms.regularizers`.
 """
 from __future__ import annotations
 
 import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+IS_MODES = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis")
 
 
 def masked_token_mean(x: torch.Tensor, mask: torch.Tensor, denom: float | None = None) -> torch.Tensor:
     """Sum of ``x * mask`` over all tokens divided by ``denom`` (default: ``mask.sum()``)."""
     d = mask.sum().clamp(min=1.0) if denom is None else denom
     return (x * mask).sum() / d
+
+
+def aggregate(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    norm_len: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar.
+
+    Args:
+        loss_mat: [B, T] per-token loss.
+        mask: [B, T] 1.0 on tokens that count (a masked token is out of every denominator).
+        mode: ``token-mean`` (sum / all tokens of the batch, DAPO), ``seq-mean-token-mean``
+            (mean over sequences of each sequence's token mean, GRPO paper),
+            ``seq-mean-token-sum-norm`` (each sequence's token sum / ``norm_len``, then mean over
+            sequences, Dr.GRPO: no length bias).
+        num_tokens: global token count for ``token-mean`` (default: ``mask.sum()``); pass the
+            count over all ranks when the batch is split across data-parallel ranks.
+        num_seqs: global sequence count for the seq-mean modes (default: ``B``).
+        norm_len: the constant of ``seq-mean-token-sum-norm`` (default: ``T``).
+
+    Examples:
+        >>> aggregate(torch.tensor([[1., 3.]]), torch.tensor([[1., 0.]]))
+        tensor(1.)
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"loss aggregation mode {mode!r} unknown; known: {AGG_MODES}")
+    mask = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        return masked_token_mean(loss_mat, mask, num_tokens)
+    n_seq = float(loss_mat.shape[0]) if num_seqs is None else num_seqs
+    n_seq = max(n_seq, 1.0)
+    per_seq = (loss_mat * mask).sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1.0)
+    else:
+        per_seq = per_seq / float(norm_len if norm_len is not None else loss_mat.shape[-1])
+    return per_seq.sum() / n_seq
+
+
+def ppo_clip_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss with clip-higher (DAPO) and dual-clip (Ye et al. 2020).
+
+    ``loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; with ``dual_clip = c > 1``
+    a negative advantage's loss is further capped at ``c |A|`` (``min(loss, -c A)`` for A < 0),
+    so a huge ratio on a bad token cannot blow the update up.
+
+    Args:
+        logp, old_logp: [B, T]; the ratio is ``exp(logp - old_logp)`` (old_logp gets no gradient).
+        advantages: [B] (broadcast over tokens) or [B, T].
+    Returns:
+        (loss [B, T], ratio [B, T], clipped [B, T] bool: the clip (or dual clip) was active).
+    """
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    ratio = torch.exp(logp - old_logp.detach())
+    l1 = -adv * ratio
+    l2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(l1, l2)
+    clipped = l2 > l1
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip = {dual_clip!r}: must be > 1")
+        cap = -adv * dual_clip
+        dual = (adv < 0) & (loss > cap)
+        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
+        clipped = clipped | dual
+    return loss, ratio, clipped
+
+
+def importance_weights(
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-tis",
+    cap: float = 2.0,
+    low: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Off-policy correction weights for ``pi_prox / mu`` (no gradient).
+
+    Modes: ``none`` (all ones); ``token-tis`` ``min(w_t, cap)``; ``token-mis`` ``w_t`` where
+    ``low <= w_t <= cap`` else 0 (the token leaves the gradient); ``seq-tis`` / ``seq-mis``
+    the same on the sequence weight ``exp(sum_t log w_t)`` over the masked tokens, broadcast
+    to every token of the sequence.
+
+    Args:
+        prox_logp, behav_logp: [B, T]; mask: [B, T].
+    Returns:
+        (weight [B, T], raw [B, T]: the untruncated weight, for diagnostics).
+    """
+    if mode not in IS_MODES:
+        raise ValueError(f"importance sampling mode {mode!r} unknown; known: {IS_MODES}")
+    with torch.no_grad():
+        log_w = (prox_logp - behav_logp).float() * mask
+        if mode == "none":
+            ones = torch.ones_like(log_w)
+            return ones, ones
+        if mode.startswith("seq"):
+            log_w = log_w.sum(-1, keepdim=True).expand_as(mask)
+        raw = torch.exp(log_w.clamp(max=20.0))
+        if mode.endswith("tis"):
+            w = raw.clamp(max=cap)
+        else:
+            w = raw * ((raw <= cap) & (raw >= low)).to(raw.dtype)
+    return w, raw
 
 
 def ppo_clip_tis_loss(
@@ -35,6 +156,8 @@ def ppo_clip_tis_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip (with clip-higher) on the proximal ratio, times a truncated IS weight.
 
+    Kept for callers of the walking skeleton; :func:`policy_loss` is the general form.
+
     Args:
         logp, prox_logp, behav_logp: [B, T] log-probabilities (see module docstring).
         advantages: [B] per-trajectory (broadcast over tokens) or [B, T] per-token.
@@ -45,22 +168,87 @@ def ppo_clip_tis_loss(
     Returns:
         (loss, stats) with stats ``clip_frac``, ``is_weight_mean``, ``is_truncated_frac``.
     """
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-    ratio = torch.exp(logp - prox_logp.detach())
-    surr = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv)
-    if tis_cap is not None:
-        raw_w = torch.exp((prox_logp - behav_logp).detach().clamp(max=20.0))
-        w = raw_w.clamp(max=tis_cap)
-    else:
-        raw_w = w = torch.ones_like(logp)
-    loss = -masked_token_mean(surr * w, mask, denom)
+    return policy_loss(
+        logp, prox_logp, behav_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+        is_mode="token-tis" if tis_cap is not None else "none", is_cap=tis_cap or 1.0,
+        num_tokens=denom,
+    )
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+    is_mode: str = "token-tis",
+    is_cap: float = 2.0,
+    is_low: float = 0.0,
+    coupled: bool = False,
+    agg: str = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    norm_len: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip against the proximal policy, weighted by an off-policy correction, aggregated.
+
+    ``coupled=True`` is standard PPO that ignores staleness: the ratio is taken against the
+    behaviour policy ``pi_theta / mu`` and no extra weight is applied.
+
+    Args:
+        logp, prox_logp, behav_logp: [B, T]; advantages: [B] or [B, T]; mask: [B, T].
+    Returns:
+        (loss scalar, stats: ``clip_frac``, ``is_weight_mean``, ``is_truncated_frac``).
+    """
+    mask = mask.to(logp.dtype)
+    old = behav_logp if coupled else prox_logp
+    tok_loss, ratio, clipped = ppo_clip_token_loss(logp, old, advantages, clip_low, clip_high, dual_clip)
+    w, raw = importance_weights(prox_logp, behav_logp, mask, "none" if coupled else is_mode, is_cap, is_low)
+    loss = aggregate(tok_loss * w, mask, agg, num_tokens, num_seqs, norm_len)
     with torch.no_grad():
         m = mask.bool()
-        clipped = ((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))
         n = max(int(m.sum()), 1)
         stats = {
             "clip_frac": float(clipped[m].sum()) / n,
-            "is_weight_mean": float(raw_w[m].mean()) if m.any() else 1.0,
-            "is_truncated_frac": float((raw_w[m] > (tis_cap or float("inf"))).sum()) / n,
+            "is_weight_mean": float(raw[m].mean()) if m.any() else 1.0,
+            "is_truncated_frac": float((raw[m] > is_cap).sum()) / n if is_mode != "none" else 0.0,
         }
+    return loss, stats
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    num_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025): PPO-clip on the length-normalised sequence ratio.
+
+    ``s_i = exp(mean_t (logp - old_logp))``; the token form ``s_i * pi_t / sg(pi_t)`` carries the
+    gradient (equal value, gradient of the mean log-ratio). Clip ranges are tiny because
+    ``s_i`` is a geometric mean. Reduced as a mean over sequences.
+
+    Args:
+        logp, old_logp: [B, T]; advantages: [B]; mask: [B, T].
+    Returns:
+        (loss scalar, stats with ``clip_frac`` over sequences and ``seq_ratio_mean``).
+    """
+    mask = mask.to(logp.dtype)
+    n_tok = mask.sum(-1).clamp(min=1.0)
+    log_s = ((logp - old_logp.detach()) * mask).sum(-1) / n_tok  # [B]
+    s = torch.exp(log_s)
+    l1 = -advantages * s
+    l2 = -advantages * torch.clamp(s, 1 - clip_low, 1 + clip_high)
+    seq_loss = torch.maximum(l1, l2) * (mask.sum(-1) > 0).to(logp.dtype)
+    n = float(logp.shape[0]) if num_seqs is None else num_seqs
+    loss = seq_loss.sum() / max(n, 1.0)
+    with torch.no_grad():
+        stats = {"clip_frac": float((l2 > l1).float().mean()), "seq_ratio_mean": float(s.mean())}
     return loss, stats
