@@ -1,0 +1,182 @@
+"""``streamrl-bench e2e``: asynchronous vs synchronous training, same config, same resources.
+
+Runs ``streamrl-launch`` twice with identical config, code and process counts:
+
+* **sync**: ``learner.max_staleness=0`` — admission control lets workers generate only for the
+  current version, so the learner trains strictly on-policy and workers wait for each version;
+* **async**: ``learner.max_staleness=k`` (default 4) with the configured off-policy correction.
+
+Figures per run come from the run's own ``metrics.jsonl`` and ``summary.json``. With ``--json``
+the last printed line is one JSON object with both runs and the ratios
+``speedup_async_vs_sync`` (samples/s) and ``time_to_target_ratio`` (sync / async wall time to
+reach ``--target`` reward). ``--ablation`` instead compares off-policy corrections at high
+staleness (``--losses``, ``--ablation-staleness``) over ``--seeds``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="streamrl-bench e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--learners", type=int, default=1)
+    p.add_argument("--rollers", type=int, default=1)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--staleness", type=int, default=4, help="max_staleness of the async run")
+    p.add_argument("--target", type=float, default=None,
+                   help="reward target for time-to-target (default: 80%% of the sync run's final reward)")
+    p.add_argument("--out", default="runs/bench-e2e", help="directory for runs, PNG and JSON")
+    p.add_argument("--ablation", action="store_true", help="compare off-policy corrections instead")
+    p.add_argument("--losses", default="grpo_no_correction,grpo_tis", help="ablation: comma-separated learner.loss values")
+    p.add_argument("--ablation-staleness", type=int, default=8)
+    p.add_argument("--seeds", type=int, default=1, help="ablation: seeds per loss")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*", help="config overrides for both runs")
+    return p.parse_args(argv)
+
+
+def run_once(args, name: str, overrides: list[str]) -> dict:
+    """Launch one run; return its per-step records and summary."""
+    run_dir = Path(args.out) / name
+    cmd = [sys.executable, "-m", "streamrl.launcher.launch", "--config", args.config,
+           "--learners", str(args.learners), "--rollers", str(args.rollers),
+           "--steps", str(args.steps), "--run-dir", str(run_dir), *args.overrides, *overrides]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"run {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"name": name, "records": records, "summary": summary, "launch_wall_s": time.time() - t0}
+
+
+def smoothed_rewards(records: list[dict], window: int = 5) -> list[float]:
+    r = [rec["learner/reward_mean"] for rec in records]
+    return [sum(r[max(0, i - window + 1): i + 1]) / len(r[max(0, i - window + 1): i + 1]) for i in range(len(r))]
+
+
+def figures(run: dict, target: float) -> dict:
+    """Throughput and time/samples to ``target`` (first step where the 5-step mean reaches it)."""
+    recs, s = run["records"], run["summary"]
+    wall = recs[-1]["wall_s"]
+    samples = recs[-1]["learner/samples"]
+    trained_tokens = sum(r["learner/trained_tokens"] for r in recs)
+    idle = sum(r["learner/idle_s"] for r in recs)
+    busy = sum(r["learner/step_s"] for r in recs)
+    sm = smoothed_rewards(recs)
+    hit = next((i for i, v in enumerate(sm) if v >= target), None)
+    received_tokens = s["transport"].get("transport/response_tokens", None)
+    k = max(1, len(recs) // 10)
+    return {
+        "samples_per_s": samples / wall,
+        "trained_tokens_per_s": trained_tokens / wall,
+        "generated_tokens_per_s": (received_tokens / wall) if received_tokens else trained_tokens / wall,
+        "learner_idle_pct": 100 * idle / max(idle + busy, 1e-9),
+        "wall_s": wall,
+        "samples": samples,
+        "time_to_target_s": recs[hit]["wall_s"] if hit is not None else None,
+        "samples_to_target": recs[hit]["learner/samples"] if hit is not None else None,
+        "reward_first": s["reward_first"],
+        "final_reward": sum(r["learner/reward_mean"] for r in recs[-k:]) / k,
+        "samples_dropped_stale": s["samples_dropped_stale"],
+        "staleness_mean": sum(r["learner/staleness_mean"] for r in recs) / len(recs),
+    }
+
+
+def plot(runs: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        recs = run["records"]
+        sm = smoothed_rewards(recs)
+        axes[0].plot([r["wall_s"] for r in recs], sm, label=run["name"])
+        axes[1].plot([r["learner/samples"] for r in recs], sm, label=run["name"])
+    axes[0].set_xlabel("wall time (s)")
+    axes[1].set_xlabel("trajectories trained")
+    for ax in axes:
+        ax.set_ylabel("reward (5-step mean)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.ablation:
+        return ablation(args, out)
+    sync = run_once(args, "sync", ["learner.max_staleness=0"])
+    asyn = run_once(args, "async", [f"learner.max_staleness={args.staleness}"])
+    sync_final = figures(sync, float("inf"))["final_reward"]
+    target = args.target if args.target is not None else 0.8 * sync_final
+    fs, fa = figures(sync, target), figures(asyn, target)
+    png = out / "async_vs_sync.png"
+    plot([sync, asyn], png, f"async (k={args.staleness}) vs sync — {args.learners} learner(s), {args.rollers} roller(s)")
+    result = {
+        "benchmark": "e2e",
+        "config": args.config, "learners": args.learners, "rollers": args.rollers, "steps": args.steps,
+        "staleness": args.staleness, "target_reward": target,
+        "sync": fs, "async": fa,
+        "speedup_async_vs_sync": fa["samples_per_s"] / fs["samples_per_s"],
+        "time_to_target_ratio": (fs["time_to_target_s"] / fa["time_to_target_s"])
+        if fs["time_to_target_s"] and fa["time_to_target_s"] else None,
+        "final_reward_diff": fa["final_reward"] - fs["final_reward"],
+        "png": str(png),
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    _print_table(result)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def ablation(args, out: Path) -> int:
+    runs, table = [], {}
+    for loss in args.losses.split(","):
+        finals = []
+        for seed in range(args.seeds):
+            run = run_once(args, f"{loss}-s{seed}", [f"learner.max_staleness={args.ablation_staleness}",
+                                                     f"learner.loss={loss}", f"run.seed={seed}"])
+            finals.append(figures(run, float("inf"))["final_reward"])
+            runs.append(run)
+        table[loss] = {"final_rewards": finals, "mean_final_reward": sum(finals) / len(finals)}
+    png = out / "ablation.png"
+    plot(runs, png, f"off-policy correction at max_staleness={args.ablation_staleness}")
+    result = {"benchmark": "e2e-ablation", "staleness": args.ablation_staleness, "losses": table, "png": str(png)}
+    (out / "ablation.json").write_text(json.dumps(result, indent=2))
+    for loss, row in table.items():
+        print(f"{loss:<24} final reward {row['mean_final_reward']:.3f}  per seed {['%.3f' % f for f in row['final_rewards']]}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _print_table(result: dict) -> None:
+    keys = ["samples_per_s", "generated_tokens_per_s", "trained_tokens_per_s", "learner_idle_pct", "wall_s",
+            "time_to_target_s", "samples_to_target", "reward_first", "final_reward", "samples_dropped_stale",
+            "staleness_mean"]
+    print(f"{'figure':<24}{'sync':>14}{'async':>14}")
+    for k in keys:
+        a, b = result["sync"][k], result["async"][k]
+        fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+        print(f"{k:<24}{fmt(a):>14}{fmt(b):>14}")
+    print(f"speedup_async_vs_sync {result['speedup_async_vs_sync']:.2f}  "
+          f"time_to_target_ratio {result['time_to_target_ratio']}  (target {result['target_reward']:.3f})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
