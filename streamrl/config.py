@@ -179,6 +179,35 @@ class TransportConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Where each role runs (the Hybrid model): roles are declared once and placed on devices.
+
+    A device string is ``cpu``, ``cuda`` (every GPU of the host), ``cuda:N``, a range
+    ``cuda:0-3``, optionally node-qualified for multi-node runs: ``node1:cuda:0``,
+    ``node0-1:cuda:0-3``. A single string is read as a one-element list. Checked against
+    the machine (GPU count, ``--learners``/``--rollers``) by :mod:`streamrl.placement`.
+    """
+
+    learner: list[str] | None = None
+    """Learner (actor) ranks' devices: one per rank, or one ('cpu'/'cuda') for all; null = learner.device."""
+    rollout: list[str] | None = None
+    """Rollout workers' devices, dealt round-robin to a host's workers; null = rollout.device."""
+    reference: list[str] | None = None
+    """Reference-policy model devices (hosted by the learner process); null = no reference model."""
+    reward: list[str] | None = None
+    """Reward-model devices (hosted by rollout workers); null = the task's verifiable reward only."""
+    critic: list[str] | None = None
+    """Critic devices (hosted by the learner process); null = no critic (group-relative advantages)."""
+    colocate: list[list[str]] = field(default_factory=list)
+    """Groups of roles allowed to share a GPU, e.g. [[learner, reference]]; other roles may not."""
+
+    def validate(self, p: str) -> None:
+        from streamrl.placement import validate_placement_config  # noqa: PLC0415 (no import cycle)
+
+        validate_placement_config(self, p)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -186,6 +215,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
