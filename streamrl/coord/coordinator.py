@@ -69,10 +69,12 @@ class Coordinator:
         pipe = self.r.pipeline()
         pipe.set(self.keys.manifest(version), json.dumps(manifest))
         pipe.set(self.keys.version, version)
+        pipe.zadd(self.keys.weights_versions, {str(version): version})
         pipe.publish(self.keys.weights_channel, str(version))
         if version - keep >= 0:
             pipe.delete(self.keys.manifest(version - keep))
         pipe.execute()
+        self.gc_versions(keep)
 
     def current_version(self) -> int:
         raw = self.r.get(self.keys.version)
@@ -81,6 +83,102 @@ class Coordinator:
     def manifest(self, version: int) -> dict[str, Any] | None:
         raw = self.r.get(self.keys.manifest(version))
         return json.loads(raw) if raw else None
+
+    # -- weights: streaming publication, GC, waiting (used by streamrl.weights) -------------
+    def begin_version(self, version: int, manifest: dict[str, Any]) -> None:
+        """Announce a version whose buckets are being written (``manifest["state"] == "writing"``).
+
+        ``current_version`` does not move: late joiners and pollers only ever see complete
+        versions. Streaming subscribers read bucket events with :meth:`bucket_events`.
+        """
+        pipe = self.r.pipeline()
+        pipe.set(self.keys.manifest(version), json.dumps(manifest))
+        pipe.zadd(self.keys.weights_versions, {str(version): version})
+        pipe.set(self.keys.weights_pending, version)
+        pipe.publish(self.keys.weights_channel, f"begin:{version}")
+        pipe.execute()
+
+    def bucket_ready(self, version: int, index: int, checksum: str) -> None:
+        """Announce that bucket ``index`` of ``version`` is in the data plane with ``checksum``."""
+        self.r.xadd(self.keys.weights_buckets(version), {"i": index, "c": checksum})
+
+    def bucket_events(self, version: int, after: str = "0", block_ms: int = 1000) -> tuple[list[tuple[int, str]], str]:
+        """Bucket-ready events of ``version`` after stream id ``after``: ([(index, checksum)], last id)."""
+        res = self.r.xread({self.keys.weights_buckets(version): after}, block=block_ms)
+        out = []
+        for _, entries in res or []:
+            for eid, fields in entries:
+                out.append((int(fields["i"]), fields["c"]))
+                after = eid
+        return out, after
+
+    def pending_version(self) -> int:
+        """The version being written now, or the newest complete one (-1 if none)."""
+        raw = self.r.get(self.keys.weights_pending)
+        return max(int(raw) if raw is not None else -1, self.current_version())
+
+    def gc_versions(self, keep: int) -> list[int]:
+        """Delete manifests and bucket streams of all but the newest ``keep`` versions; returns them."""
+        old = [int(v) for v in self.r.zrange(self.keys.weights_versions, 0, -(keep + 1))]
+        if old:
+            pipe = self.r.pipeline()
+            for v in old:
+                pipe.delete(self.keys.manifest(v), self.keys.weights_buckets(v))
+            pipe.zrem(self.keys.weights_versions, *map(str, old))
+            pipe.execute()
+        return old
+
+    def subscribe_versions(self):
+        """A pub/sub handle on version announcements (``"v"`` complete, ``"begin:v"`` writing).
+
+        Pub/sub is lossy (a reconnect or a slow reader drops messages): callers must also poll
+        :meth:`current_version`; :meth:`wait_version` does both.
+        """
+        ps = self.r.pubsub(ignore_subscribe_messages=True)
+        ps.subscribe(self.keys.weights_channel)
+        return ps
+
+    def wait_version(self, after: int, timeout_s: float, pubsub=None, poll_s: float = 0.5,
+                     include_pending: bool = False) -> int | None:
+        """Block until a version newer than ``after`` exists; None on timeout.
+
+        Wakes on a pub/sub message when ``pubsub`` is given, and in any case re-reads the
+        version key every ``poll_s`` seconds, so a lost notification costs at most one poll.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            v = self.pending_version() if include_pending else self.current_version()
+            if v > after:
+                return v
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            wait = min(poll_s, left)
+            if pubsub is not None:
+                pubsub.get_message(timeout=wait)
+            else:
+                time.sleep(wait)
+
+    def wait_acks(self, version: int, workers: list[int], timeout_s: float, poll_s: float = 0.002) -> bool:
+        """True once every worker in ``workers`` acked ``version`` (or newer) within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            acks = self.acks()
+            if all(acks.get(w, -1) >= version for w in workers):
+                return True
+            time.sleep(poll_s)
+        return False
+
+    def live_workers(self) -> list[int]:
+        """Registered workers whose heartbeat TTL has not expired."""
+        return [w for w, hb in self.workers().items() if hb is not None]
+
+    def put_weight_timings(self, worker_id: int, timings: dict[str, float]) -> None:
+        """Last weights-fetch timings of a worker (seconds per stage), for monitors and benchmarks."""
+        self.r.hset(self.keys.weights_timings(worker_id), mapping={k: float(v) for k, v in timings.items()})
+
+    def weight_timings(self, worker_id: int) -> dict[str, float]:
+        return {k: float(v) for k, v in self.r.hgetall(self.keys.weights_timings(worker_id)).items()}
 
     def ack(self, worker_id: int, version: int) -> None:
         self.r.hset(self.keys.acks, str(worker_id), version)

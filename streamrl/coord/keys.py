@@ -66,3 +66,18 @@ class Keys:
     @property
     def processes(self) -> str:  # set of process names that report metrics
         return self._k("metrics", "processes")
+
+    # -- weights broadcast (owned by streamrl.weights; additive to the schema above) ----------
+    @property
+    def weights_versions(self) -> str:  # sorted set: version -> publish time (GC order)
+        return self._k("weights", "versions")
+
+    @property
+    def weights_pending(self) -> str:  # int: version being written now (bucket events flow)
+        return self._k("weights", "pending")
+
+    def weights_buckets(self, version: int) -> str:  # stream of bucket-ready events of one version
+        return self._k("weights", "buckets", version)
+
+    def weights_timings(self, worker_id: int) -> str:  # hash: last fetch/verify/load timings of a worker
+        return self._k("weights", "timings", worker_id)

@@ -1,0 +1,162 @@
+"""Byte layout of one weights version and the bucket checksums that guard it.
+
+A version is one flat byte space: each tensor sits at a 64-byte aligned offset, and a
+*bucket* is a contiguous run of tensors of about ``bucket_bytes``. Buckets are the unit
+of gathering, transfer, readiness announcements and verification, so the publisher holds
+at most one bucket of gathered tensors and a subscriber can verify (and re-fetch) each
+bucket on its own. Padding bytes are zero and belong to the bucket they follow.
+
+Checksums (``algo`` in the manifest):
+
+* ``sum64`` (default): the wrapping sum of the bucket's 64-bit words, computed by torch at
+  memory speed (~9 GB/s here, against ~1.5 GB/s for zlib's crc32). It detects any change
+  to a single word, truncation, zeroed or stale regions; it misses permutations of whole
+  words, which no data plane here produces.
+* ``crc32``: zlib's CRC32, stronger and ~6x slower.
+
+Both are computed chunk by chunk right after each chunk is written (:class:`Checksum`), so
+the second read hits the cache instead of memory.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from streamrl.transport.codec import DTYPE_NAMES, DTYPES
+
+ALIGN = 64
+CHUNK = 1 << 20  # copy + checksum granularity: fits in L2, amortises Python overhead
+ALGOS = ("sum64", "crc32")
+
+
+class ChecksumError(RuntimeError):
+    """A weights bucket does not match its manifest checksum."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Checksum:
+    """Incremental checksum over a sequence of byte chunks (uint8 tensors, any device).
+
+    ``sum64`` needs chunks whose lengths are multiples of 8 (the layout guarantees this
+    for whole padded tensors); ``crc32`` needs CPU chunks.
+    """
+
+    def __init__(self, algo: str = "sum64"):
+        if algo not in ALGOS:
+            raise ValueError(f"weights checksum algo {algo!r} is unknown; choose one of {ALGOS}")
+        self.algo = algo
+        self._sum: torch.Tensor | int = 0
+        self._crc = 0
+
+    def update(self, chunk: torch.Tensor) -> None:
+        if chunk.numel() == 0:
+            return
+        if self.algo == "sum64":
+            # int64 sums wrap modulo 2**64, so the result is independent of reduction order.
+            self._sum = self._sum + chunk.view(torch.int64).sum()
+        else:
+            self._crc = zlib.crc32(memoryview(chunk.numpy()), self._crc)
+
+    def digest(self) -> str:
+        if self.algo == "sum64":
+            return str(int(self._sum) & 0xFFFFFFFFFFFFFFFF)
+        return f"{self._crc:08x}"
+
+
+def checksum_region(buf: torch.Tensor, algo: str) -> str:
+    """Checksum of a whole uint8 region (``buf``: [nbytes]), chunked like the writer."""
+    c = Checksum(algo)
+    for start in range(0, buf.numel(), CHUNK * 16):
+        c.update(buf[start: start + CHUNK * 16])
+    return c.digest()
+
+
+@dataclass
+class Layout:
+    """Where each tensor of a version lives.
+
+    tensors: per tensor ``{"name", "dtype", "shape", "offset", "nbytes"}`` (engine names).
+    buckets: per bucket ``{"offset", "nbytes", "first", "count"}``; tensors ``first ..
+    first+count-1`` lie in ``[offset, offset+nbytes)``.
+    """
+
+    tensors: list[dict]
+    buckets: list[dict]
+    total_bytes: int
+
+    @classmethod
+    def plan(cls, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int) -> "Layout":
+        """Lay out ``(name, dtype, shape)`` specs in order; a new bucket starts when the next
+        tensor would overflow ``bucket_bytes`` (a tensor larger than that gets its own bucket)."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes = {bucket_bytes}: must be > 0")
+        tensors, buckets = [], []
+        off = b_start = b_first = 0
+        for i, (name, dtype, shape) in enumerate(specs):
+            if dtype not in DTYPE_NAMES:
+                raise ValueError(f"tensor {name!r} has unsupported dtype {dtype}")
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if i > b_first and off - b_start + nbytes > bucket_bytes:
+                buckets.append({"offset": b_start, "nbytes": off - b_start, "first": b_first, "count": i - b_first})
+                b_start, b_first = off, i
+            tensors.append({"name": name, "dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+                            "offset": off, "nbytes": nbytes})
+            off = _align(off + nbytes)
+        if specs:
+            buckets.append({"offset": b_start, "nbytes": off - b_start, "first": b_first, "count": len(specs) - b_first})
+        return cls(tensors, buckets, off)
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> "Layout":
+        return cls(manifest["tensors"], manifest["buckets"], manifest["total_bytes"])
+
+    def check(self) -> None:
+        """Validate a layout read from Redis before allocating or mapping anything."""
+        end = 0
+        for b in self.buckets:
+            if b["offset"] != end or b["nbytes"] < 0 or b["nbytes"] % 8:
+                raise ValueError(f"weights manifest has a malformed bucket {b}")
+            end = b["offset"] + b["nbytes"]
+            for e in self.tensors[b["first"]: b["first"] + b["count"]]:
+                if e["dtype"] not in DTYPES:
+                    raise ValueError(f"weights manifest: tensor {e['name']} has unknown dtype {e['dtype']!r}")
+                want = math.prod(e["shape"]) * torch.empty((), dtype=DTYPES[e["dtype"]]).element_size()
+                if want != e["nbytes"] or e["offset"] < b["offset"] or e["offset"] + e["nbytes"] > end:
+                    raise ValueError(f"weights manifest: tensor {e['name']} lies outside its bucket")
+        if end != self.total_bytes:
+            raise ValueError(f"weights manifest: buckets cover {end} of {self.total_bytes} bytes")
+
+    def bucket_tensors(self, index: int) -> list[dict]:
+        b = self.buckets[index]
+        return self.tensors[b["first"]: b["first"] + b["count"]]
+
+    def views(self, index: int, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Typed views of bucket ``index``'s tensors over ``buf`` (uint8, the bucket's bytes)."""
+        base = self.buckets[index]["offset"]
+        out = []
+        for e in self.bucket_tensors(index):
+            dtype = DTYPES[e["dtype"]]
+            lo = e["offset"] - base
+            out.append((e["name"], buf[lo: lo + e["nbytes"]].view(dtype).view(e["shape"])))
+        return out
+
+
+def write_tensor(dst: torch.Tensor, src: torch.Tensor, checksum: Checksum | None) -> None:
+    """Copy ``src`` (any device, contiguous) into ``dst`` (uint8 [padded nbytes], zero tail)
+    chunk by chunk, feeding each written chunk to ``checksum`` while it is in cache."""
+    flat = src.reshape(-1).view(torch.uint8) if src.numel() else src.new_empty(0, dtype=torch.uint8)
+    n = flat.numel()
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        dst[start:stop].copy_(flat[start:stop])
+        if checksum is not None:
+            hi = stop if stop < n else dst.numel()  # the last chunk takes the zero padding
+            checksum.update(dst[start:hi])
+    if n == 0 and checksum is not None:
+        checksum.update(dst)

@@ -1,0 +1,188 @@
+"""Learner side: gather, rename, bucket, checksum and announce one weights version.
+
+``publish(version, specs, tensors)`` consumes the learner's full tensors lazily, in
+``specs`` order (each ``next()`` may run a collective gather on every rank), converts each
+to the engine's names/layout (:mod:`streamrl.weights.adapter`), and writes it into the
+data plane bucket by bucket. As soon as a bucket is complete its checksum goes to Redis,
+so subscribers start transferring and verifying while later buckets are still gathered;
+the version becomes *current* only when every bucket is in. Extra learner memory is one
+full tensor from the gather (plus one bucket-sized pinned bounce buffer for GPU tensors,
+or one bucket on the GPU for the collective plane): never a second model copy.
+
+Data planes (``plane``):
+
+* ``shm``: the store file under /dev/shm; same-host subscribers map it.
+* ``zmq``: the same store, served by a :class:`BucketServer` to subscribers anywhere.
+  ``auto`` and ``shm`` also run the server, so any subscriber can pick by host.
+* ``nccl`` / ``gloo``: broadcast of bucket buffers in a fixed group of the publisher and
+  ``collective_world - 1`` subscribers (:mod:`streamrl.weights.collective`).
+"""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any, Iterable
+
+import torch
+
+from streamrl.coord.coordinator import Coordinator
+from streamrl.weights.adapter import adapt_specs, adapt_tensor
+from streamrl.weights.layout import Checksum, Layout, write_tensor
+from streamrl.weights.store import ShmStore
+from streamrl.weights.zmq_plane import BucketServer
+
+PLANES = ("auto", "shm", "zmq", "nccl", "gloo")
+
+
+def host_id() -> str:
+    """Identifies this host for same-host detection (hostname + boot id)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class WeightPublisher:
+    """Publishes versions of the learner's weights (run it on the publishing rank only)."""
+
+    def __init__(self, coord: Coordinator, run: str, plane: str = "auto", bucket_bytes: int = 64 << 20,
+                 keep: int = 3, checksum: str = "sum64", target: str = "hf", bind_host: str = "127.0.0.1",
+                 advertise_host: str | None = None, collective_world: int = 0, device: str | None = None):
+        if plane not in PLANES:
+            raise ValueError(f"weights data_plane {plane!r} is unknown; choose one of {PLANES}")
+        Checksum(checksum)  # validates the algo name
+        self.coord, self.run, self.plane = coord, run, plane
+        self.bucket_bytes, self.keep, self.checksum, self.target = bucket_bytes, keep, checksum, target
+        self.store = self.server = self.collective = None
+        self._bounce: torch.Tensor | None = None
+        self._ready: dict[int, int] = {}  # version -> buckets ready (read by the server thread)
+        self._buckets: dict[int, list[dict]] = {}
+        if plane in ("nccl", "gloo"):
+            from streamrl.weights.collective import CollectiveSender
+            self.collective = CollectiveSender(coord, plane, collective_world, bind_host, advertise_host, device)
+        else:
+            self.store = ShmStore(run, keep=keep)
+            self.server = BucketServer(self._lookup, f"tcp://{bind_host}:*", advertise_host)
+
+    def _lookup(self, version: int, index: int) -> memoryview | None:
+        vf = self.store.files.get(version)
+        ready = self._ready.get(version, 0)
+        if vf is None or index >= ready:
+            return None
+        b = self._buckets[version][index]
+        return vf.memoryview(b["offset"], b["nbytes"])
+
+    def publish(self, version: int, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                tensors: Iterable[torch.Tensor | tuple[str, torch.Tensor]],
+                overrides: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """Write ``tensors`` (full learner tensors in ``specs`` order, produced lazily; items may
+        be tensors or ``(name, tensor)``) and announce ``version``.
+
+        ``overrides``: ``{learner name: tensor}`` published instead of the gathered tensor
+        (e.g. a router EMA); the gather still runs so every rank joins its collective.
+        Returns ``{"weights/gather_s", "weights/write_s", "weights/publish_s", "weights/bytes",
+        "weights/buckets", "weights/peak_tensor_bytes"}``.
+        """
+        t0 = time.perf_counter()
+        overrides = overrides or {}
+        layout = Layout.plan(adapt_specs(specs, self.target), self.bucket_bytes)
+        manifest: dict[str, Any] = {
+            "version": version, "state": "writing", "plane": self.plane, "target": self.target,
+            "checksum": self.checksum, "total_bytes": layout.total_bytes, "host": host_id(),
+            "tensors": layout.tensors, "buckets": layout.buckets, "published_at": time.time(),
+        }
+        vf = None
+        if self.store is not None:
+            vf = self.store.create(version, layout.total_bytes)
+            self._ready[version], self._buckets[version] = 0, layout.buckets
+            manifest["path"] = str(vf.path)
+            manifest["endpoint"] = self.server.endpoint
+        else:
+            manifest["collective"] = self.collective.describe()
+        self.coord.begin_version(version, manifest)
+        if self.collective is not None:
+            self.collective.begin(version, len(layout.buckets))
+
+        gather_s = write_s = 0.0
+        peak = 0
+        entry_i = bucket_i = 0
+        ck = Checksum(self.checksum)
+        pending_pieces: list[tuple[dict, torch.Tensor]] = []  # collective plane: one bucket
+        it = iter(tensors)
+        for name, _, _ in specs:
+            tg = time.perf_counter()
+            item = next(it)
+            t = item[1] if isinstance(item, tuple) else item
+            if name in overrides:
+                t = overrides[name].to(device=t.device, dtype=t.dtype)
+            tw = time.perf_counter()
+            gather_s += tw - tg
+            peak = max(peak, t.numel() * t.element_size())
+            for ename, piece in adapt_tensor(name, t, self.target):
+                e = layout.tensors[entry_i]
+                if e["name"] != ename or list(piece.shape) != e["shape"]:
+                    raise ValueError(f"tensor {ename} {tuple(piece.shape)} does not match its spec "
+                                     f"{e['name']} {e['shape']}")
+                if vf is not None:
+                    self._write(vf.region(e["offset"], _padded(e)), piece.contiguous(), ck)
+                else:
+                    pending_pieces.append((e, piece))
+                entry_i += 1
+                b = layout.buckets[bucket_i]
+                if entry_i == b["first"] + b["count"]:
+                    if self.collective is not None:
+                        b["checksum"] = self.collective.send_bucket(b, pending_pieces, self.checksum)
+                        pending_pieces = []
+                    else:
+                        b["checksum"] = ck.digest()
+                        self._ready[version] = bucket_i + 1
+                    self.coord.bucket_ready(version, bucket_i, b["checksum"])
+                    ck = Checksum(self.checksum)
+                    bucket_i += 1
+            del t, item
+            write_s += time.perf_counter() - tw
+        if entry_i != len(layout.tensors):
+            raise ValueError(f"publish(v{version}) got {entry_i} of {len(layout.tensors)} engine tensors")
+        manifest["state"] = "complete"
+        manifest["buckets"] = layout.buckets
+        self.coord.publish_version(version, manifest, keep=self.keep)
+        if self.store is not None:
+            for v in self.store.gc():
+                self._ready.pop(v, None)
+                self._buckets.pop(v, None)
+        return {"weights/gather_s": gather_s, "weights/write_s": write_s,
+                "weights/publish_s": time.perf_counter() - t0, "weights/bytes": float(layout.total_bytes),
+                "weights/buckets": float(len(layout.buckets)), "weights/peak_tensor_bytes": float(peak)}
+
+    def _write(self, dst: torch.Tensor, src: torch.Tensor, ck: Checksum) -> None:
+        """Copy one engine tensor into the store; GPU tensors go through a pinned bounce buffer."""
+        if src.device.type == "cpu":
+            write_tensor(dst, src, ck)
+            return
+        flat = src.reshape(-1).view(torch.uint8)
+        n = flat.numel()
+        size = min(self.bucket_bytes, max(n, 8)) // 8 * 8 or 8
+        if self._bounce is None or self._bounce.numel() < size:
+            self._bounce = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        for start in range(0, n, size):
+            stop = min(start + size, n)
+            bounce = self._bounce[: stop - start]
+            bounce.copy_(flat[start:stop])
+            hi = stop if stop < n else dst.numel()  # the last piece takes the zero padding
+            write_tensor(dst[start:hi], bounce, ck)
+
+    def stats(self) -> dict[str, float]:
+        return {"weights/served_bytes": float(self.server.served_bytes if self.server else 0)}
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.store is not None:
+            self.store.close()
+        if self.collective is not None:
+            self.collective.close()
+
+
+def _padded(entry: dict) -> int:
+    return (entry["nbytes"] + 63) // 64 * 64

@@ -1,0 +1,95 @@
+"""Host-side store of published versions: one file per version under ``/dev/shm``.
+
+The publisher writes each version once, bucket by bucket, straight into a shared mapping of
+its own file, and never rewrites it; so a subscriber on the same host can map the file and
+read a bucket as soon as Redis says it is ready (x86 and the Redis round trip order the
+writes before the announcement), and the ZeroMQ server sends buckets from the same pages
+without another copy. A file is unlinked when its version is garbage-collected; readers
+that still map it keep their pages until they let go (Linux unlink semantics).
+
+Shared-memory pages count as ``RssShmem``, not as the publisher's anonymous memory: the
+store is the data plane's buffer (one per kept version), not a second model copy in the
+learner.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import torch
+
+
+def shm_dir() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+
+
+class VersionFile:
+    """A writable (publisher) or read-only (subscriber) mapping of one version's bytes.
+
+    ``buf`` is a uint8 tensor [total_bytes] over the mapping.
+    """
+
+    def __init__(self, path: Path, total: int, writable: bool):
+        self.path = path
+        self.total = total
+        size = max(total, 1)
+        if writable:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+            finally:
+                os.close(fd)
+        else:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = os.fstat(fd).st_size
+                if got < total:
+                    raise FileNotFoundError(f"{path} holds {got} of {total} bytes")
+                self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)
+        # torch warns that a read-only buffer is not writable; views are documented read-only.
+        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8, count=size)[:total]
+
+    def region(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.buf[offset: offset + nbytes]
+
+    def memoryview(self, offset: int, nbytes: int) -> memoryview:
+        return memoryview(self._mm)[offset: offset + nbytes]
+
+
+class ShmStore:
+    """Publisher-side files of the newest ``keep`` versions of run ``run``."""
+
+    def __init__(self, run: str, keep: int = 3, directory: Path | None = None):
+        if keep < 1:
+            raise ValueError(f"weights keep_versions = {keep}: must be >= 1")
+        self.run = run
+        self.keep = keep
+        self.dir = directory or shm_dir()
+        self.files: dict[int, VersionFile] = {}
+
+    def path(self, version: int) -> Path:
+        return self.dir / f"streamrl-{self.run}-v{version}.bin"
+
+    def create(self, version: int, total: int) -> VersionFile:
+        vf = VersionFile(self.path(version), total, writable=True)
+        self.files[version] = vf
+        return vf
+
+    def drop(self, versions: list[int]) -> None:
+        """Unlink the files of ``versions``; mappings die with their last reference."""
+        for v in versions:
+            vf = self.files.pop(v, None)
+            self.path(v).unlink(missing_ok=True)
+            del vf
+
+    def gc(self) -> list[int]:
+        old = sorted(self.files)[:-self.keep]
+        self.drop(old)
+        return old
+
+    def close(self) -> None:
+        self.drop(list(self.files))

@@ -1,0 +1,194 @@
+"""Worker side: find the newest version, fetch and verify every bucket, hand it over whole.
+
+``fetch(v)`` returns only after **every** bucket of ``v`` arrived and matched its checksum
+(a mismatching bucket is re-fetched up to ``retries`` times, then :class:`ChecksumError`),
+so the engine's ``load_weights`` sees a complete, verified version or nothing: no sample
+ever comes from half-loaded or corrupted weights. It can start on a version that is still
+being written (``newer_version(include_pending=True)``): buckets are transferred and
+verified as Redis announces them, overlapping the learner's gather.
+
+The plane comes from the manifest: a collective plane (nccl/gloo) when the publisher uses
+one; otherwise shared memory when the manifest's host is this host (``plane="auto"``) or
+forced, else ZeroMQ from the publisher's bucket server.
+
+Timings of the last fetch (``weights/wait_s``: waiting for the publisher's buckets,
+``weights/transfer_s``: fetch wall time, ``weights/verify_s``: checksums, ``weights/load_s``:
+engine load, set by :meth:`load`) go to Redis with the ack.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+
+from streamrl.coord.coordinator import Coordinator
+from streamrl.weights.layout import ChecksumError, Layout, checksum_region
+from streamrl.weights.publisher import host_id
+from streamrl.weights.store import VersionFile
+from streamrl.weights.zmq_plane import BucketClient
+
+SUB_PLANES = ("auto", "shm", "zmq")
+
+
+def _as_tensor(buf: memoryview) -> torch.Tensor:
+    t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    if t.data_ptr() % 64:  # typed views need aligned storage; libzmq's large buffers are
+        t = t.clone()
+    return t
+
+
+class WeightSubscriber:
+    """Fetch verified versions for one rollout worker."""
+
+    def __init__(self, coord: Coordinator, plane: str = "auto", streams: int = 2, retries: int = 2,
+                 timeout_s: float = 120.0, collective_rank: int | None = None, device: str = "cpu"):
+        if plane not in SUB_PLANES:
+            raise ValueError(f"weights subscriber plane {plane!r} is unknown; choose one of {SUB_PLANES}")
+        self.coord, self.plane, self.streams = coord, plane, streams
+        self.retries, self.timeout_s = retries, timeout_s
+        self.loaded_version = -1
+        self.host = host_id()
+        self.timings: dict[str, float] = {}
+        self.checksum_failures = 0
+        self._client: BucketClient | None = None
+        self._receiver = None
+        self._collective_rank, self._device = collective_rank, device
+
+    # -- discovery ---------------------------------------------------------------------
+    def newer_version(self, include_pending: bool = False) -> int | None:
+        """The newest version above ``loaded_version`` (complete only, unless ``include_pending``)."""
+        v = self.coord.pending_version() if include_pending else self.current()
+        return v if v > self.loaded_version else None
+
+    def current(self) -> int:
+        if self._receiver is not None:
+            return max(self._receiver.latest_version(), -1)
+        return self.coord.current_version()
+
+    # -- fetch -------------------------------------------------------------------------
+    def fetch(self, version: int) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """Every tensor of ``version`` as ``(engine name, read-only view)``, verified.
+
+        None when the version is gone (garbage-collected, superseded) or its publisher
+        stopped before finishing it. Raises :class:`ChecksumError` when a bucket still
+        mismatches after ``retries`` re-fetches; nothing of the version is returned then.
+        """
+        t0 = time.perf_counter()
+        manifest = self.coord.manifest(version)
+        if manifest is None:
+            return None
+        if manifest.get("plane") in ("nccl", "gloo"):
+            return self._fetch_collective(version, manifest, t0)
+        layout = Layout.from_manifest(manifest)
+        layout.check()
+        use_shm = self.plane == "shm" or (self.plane == "auto" and manifest.get("host") == self.host)
+        if use_shm:
+            try:
+                vf = VersionFile(manifest["path"], layout.total_bytes, writable=False)
+            except FileNotFoundError:
+                return None
+        else:
+            if self._client is None or self._client.endpoint != manifest["endpoint"]:
+                if self._client is not None:
+                    self._client.close()
+                self._client = BucketClient(manifest["endpoint"], self.streams)
+        n = len(layout.buckets)
+        known: dict[int, str] = {}
+        if manifest["state"] == "complete":
+            known = {i: b["checksum"] for i, b in enumerate(layout.buckets)}
+        bufs: dict[int, torch.Tensor] = {}
+        tries = {i: 0 for i in range(n)}
+        verify_s = wait_s = 0.0
+        after = "0"
+        requested: set[int] = set()
+        deadline = time.monotonic() + self.timeout_s
+        while len(bufs) < n:
+            if time.monotonic() > deadline:
+                return None
+            if len(known) < n and (use_shm or not self._client.pending()):
+                tw = time.perf_counter()
+                events, after = self.coord.bucket_events(version, after, block_ms=200)
+                wait_s += time.perf_counter() - tw
+                known.update(dict(events))
+                if not events and self.coord.manifest(version) is None:
+                    return None  # garbage-collected while we waited
+            elif len(known) < n:  # drain fast announcements without blocking the transfer
+                events, after = self.coord.bucket_events(version, after, block_ms=None)
+                known.update(dict(events))
+            arrived: list[tuple[int, torch.Tensor | None]] = []
+            if use_shm:
+                for i in sorted(set(known) - set(bufs)):
+                    b = layout.buckets[i]
+                    arrived.append((i, vf.region(b["offset"], b["nbytes"])))
+            else:
+                for i in sorted(set(known) - requested):
+                    self._client.request(version, i)
+                    requested.add(i)
+                for v, i, data in self._client.poll(50 if self._client.pending() else 0):
+                    if v == version:
+                        arrived.append((i, None if data is None else _as_tensor(data)))
+            for i, buf in arrived:
+                if buf is None:
+                    return None  # the publisher no longer holds this version
+                tv = time.perf_counter()
+                ok = checksum_region(buf, manifest["checksum"]) == known[i]
+                verify_s += time.perf_counter() - tv
+                if ok:
+                    bufs[i] = buf
+                    continue
+                self.checksum_failures += 1
+                tries[i] += 1
+                if tries[i] > self.retries:
+                    raise ChecksumError(f"weights v{version} bucket {i} failed its checksum "
+                                        f"{tries[i]} times; not loading")
+                requested.discard(i)  # zmq: asked again next round; shm: re-read next round
+        self.timings = {"weights/wait_s": wait_s, "weights/transfer_s": time.perf_counter() - t0,
+                        "weights/verify_s": verify_s, "weights/bytes": float(layout.total_bytes)}
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for i in range(n):
+                yield from layout.views(i, bufs[i])
+
+        return tensors()
+
+    def _fetch_collective(self, version: int, manifest: dict, t0: float):
+        from streamrl.weights.collective import CollectiveReceiver
+
+        if self._receiver is None:
+            self._receiver = CollectiveReceiver(self.coord, manifest["collective"], self._collective_rank, self._device)
+        got = self._receiver.take(version, self.timeout_s)
+        if got is None:
+            return None
+        layout, bufs, timings = got
+        self.timings = {**timings, "weights/transfer_s": time.perf_counter() - t0 + timings.get("weights/transfer_s", 0.0)}
+        return (pair for i in range(len(layout.buckets)) for pair in layout.views(i, bufs[i]))
+
+    # -- load + ack --------------------------------------------------------------------
+    def load(self, engine, worker_id: int, version: int | None = None) -> int | None:
+        """Fetch the newest (or given) version, load it into ``engine`` and ack; returns the
+        version loaded or None. Raises :class:`ChecksumError` like :meth:`fetch`."""
+        v = self.newer_version() if version is None else version
+        if v is None:
+            return None
+        tensors = self.fetch(v)
+        if tensors is None:
+            return None
+        tl = time.perf_counter()
+        engine.load_weights(tensors)
+        self.timings["weights/load_s"] = time.perf_counter() - tl
+        self.mark_loaded(worker_id, v)
+        return v
+
+    def mark_loaded(self, worker_id: int, version: int) -> None:
+        """Record ``version`` as loaded, ack it in Redis and store this fetch's timings."""
+        self.loaded_version = version
+        if self.timings:
+            self.coord.put_weight_timings(worker_id, {**self.timings, "weights/version": version})
+        self.coord.ack(worker_id, version)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self._receiver is not None:
+            self._receiver.close()
