@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--run-id", required=True, help="run id (Redis namespace)")
     p.add_argument("--worker-id", type=int, required=True)
     p.add_argument("--num-workers", type=int, default=1, help="prompt-space shards")
+    p.add_argument("--device", default=None,
+                   help="engine device, overriding rollout.device (streamrl-launch sets it per placement)")
     return p.parse_args(argv)
 
 
@@ -52,6 +54,8 @@ class RolloutWorker:
         if stored is None:
             raise RuntimeError(f"no config in Redis for run {args.run_id}")
         self.cfg = cfg = config_from_dict(stored)
+        if args.device:
+            cfg.rollout.device = args.device
         self.incarnation = int(self.coord.r.incr(f"streamrl:{args.run_id}:incarnation:{self.wid}"))
         torch.manual_seed(hash((cfg.run.seed, self.wid, self.incarnation)) & 0x7FFFFFFF)
         model, self.tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
