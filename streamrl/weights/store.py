@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 from pathlib import Path
 
 import torch
+
 
 
 def shm_dir() -> Path:
@@ -51,7 +53,9 @@ class VersionFile:
             finally:
                 os.close(fd)
         # torch warns that a read-only buffer is not writable; views are documented read-only.
-        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8, count=size)[:total]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.buf = torch.frombuffer(self._mm, dtype=torch.uint8, count=size)[:total]
 
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buf[offset: offset + nbytes]

@@ -18,6 +18,7 @@ engine load, set by :meth:`load`) go to Redis with the ack.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Iterator
 
 import torch
@@ -32,7 +33,9 @@ SUB_PLANES = ("auto", "shm", "zmq")
 
 
 def _as_tensor(buf: memoryview) -> torch.Tensor:
-    t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # received buffers are read-only; views are documented so
+        warnings.simplefilter("ignore")
+        t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
     if t.data_ptr() % 64:  # typed views need aligned storage; libzmq's large buffers are
         t = t.clone()
     return t

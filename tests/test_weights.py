@@ -1,0 +1,276 @@
+"""Weights: layout, checksums, adapter (unit), and the shm / ZeroMQ / gloo planes over real
+Redis and real sockets: late joiner, lost notifications, corrupted buckets."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from streamrl.coord.coordinator import Coordinator
+from streamrl.weights.adapter import RouterEma, adapt_specs, adapt_tensor, unadapt
+from streamrl.weights.layout import ChecksumError, Layout, checksum_region
+from streamrl.weights.publisher import WeightPublisher
+from streamrl.weights.shm import ShmWeightPublisher, ShmWeightSubscriber
+from streamrl.weights.subscriber import WeightSubscriber
+
+SPECS = [
+    ("model.embed_tokens.weight", torch.float32, (50, 32)),
+    ("model.layers.0.mlp.experts.gate_up_proj", torch.float32, (4, 16, 32)),
+    ("model.layers.0.mlp.experts.down_proj", torch.float32, (4, 32, 8)),
+    ("model.layers.0.mlp.gate.weight", torch.float32, (4, 32)),
+    ("model.norm.weight", torch.bfloat16, (33,)),
+    ("lm_head.weight", torch.float32, (50, 32)),
+]
+
+
+def make_tensors(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(dtype) for _, dtype, shape in SPECS]
+
+
+def check_equal(got, tensors, target="hf"):
+    want = {n: v for (name, _, _), t in zip(SPECS, tensors) for n, v in adapt_tensor(name, t, target)}
+    got = dict(got)
+    assert set(got) == set(want)
+    for n, t in want.items():
+        assert torch.equal(got[n], t), n
+
+
+# -- unit ----------------------------------------------------------------------------------
+def test_layout_buckets_aligned_and_bounded():
+    lay = Layout.plan(adapt_specs(SPECS, "vllm"), bucket_bytes=4096)
+    lay.check()
+    assert all(e["offset"] % 64 == 0 for e in lay.tensors)
+    assert sum(b["count"] for b in lay.buckets) == len(lay.tensors)
+    big = max(e["nbytes"] for e in lay.tensors)
+    assert all(b["nbytes"] <= max(4096, big + 64) for b in lay.buckets)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        Layout.plan(SPECS, 0)
+
+
+@pytest.mark.parametrize("algo", ["sum64", "crc32"])
+def test_checksum_detects_single_byte_flip(algo):
+    buf = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+    ref = checksum_region(buf, algo)
+    buf[12345] ^= 1
+    assert checksum_region(buf, algo) != ref
+
+
+def test_adapter_vllm_roundtrip_and_names():
+    tensors = make_tensors(0)
+    named = [(n, v) for (name, _, _), t in zip(SPECS, tensors) for n, v in adapt_tensor(name, t, "vllm")]
+    names = [n for n, _ in named]
+    assert names == [s[0] for s in adapt_specs(SPECS, "vllm")]
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in names
+    d = dict(named)
+    gu = tensors[1]
+    assert torch.equal(d["model.layers.0.mlp.experts.2.gate_proj.weight"], gu[2, :8])
+    assert torch.equal(d["model.layers.0.mlp.experts.2.up_proj.weight"], gu[2, 8:])
+    assert torch.equal(d["model.layers.0.mlp.experts.1.down_proj.weight"], tensors[2][1])
+    back = unadapt(named)
+    for (name, _, _), t in zip(SPECS, tensors):
+        assert torch.equal(back[name], t)
+    with pytest.raises(ValueError, match="naming target"):
+        adapt_specs(SPECS, "trt")
+
+
+def test_router_ema():
+    ema = RouterEma(0.5)
+    w = {"model.layers.0.mlp.gate.weight": torch.ones(2, 2), "lm_head.weight": torch.ones(2)}
+    ema.update(w)
+    ema.update({"model.layers.0.mlp.gate.weight": torch.full((2, 2), 3.0)})
+    assert list(ema.overrides()) == ["model.layers.0.mlp.gate.weight"]
+    assert torch.allclose(ema.overrides()["model.layers.0.mlp.gate.weight"], torch.full((2, 2), 2.0))
+
+
+# -- real Redis + sockets --------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("plane", ["shm", "zmq"])
+def test_publish_fetch_bit_exact_vllm_names(redis_url, run_id, plane):
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="auto", bucket_bytes=8192, target="vllm")
+    try:
+        tensors = make_tensors(1)
+        timings = pub.publish(0, SPECS, iter(tensors))
+        assert timings["weights/buckets"] > 1
+        sub = WeightSubscriber(coord, plane=plane)
+        assert sub.newer_version() == 0
+        check_equal(sub.fetch(0), tensors, "vllm")
+        assert sub.timings["weights/bytes"] == timings["weights/bytes"]
+        sub.close()
+    finally:
+        pub.close()
+
+
+@pytest.mark.timeout(60)
+def test_override_replaces_router(redis_url, run_id):
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=8192)
+    try:
+        tensors = make_tensors(2)
+        ema = torch.full((4, 32), 0.5)
+        pub.publish(0, SPECS, iter(tensors), overrides={"model.layers.0.mlp.gate.weight": ema})
+        got = dict(WeightSubscriber(coord).fetch(0))
+        assert torch.equal(got["model.layers.0.mlp.gate.weight"], ema)
+        assert torch.equal(got["lm_head.weight"], tensors[5])
+    finally:
+        pub.close()
+
+
+@pytest.mark.timeout(60)
+def test_late_joiner_gets_newest_and_old_versions_are_collected(redis_url, run_id):
+    coord = Coordinator(redis_url, run_id)
+    pub = ShmWeightPublisher(coord, run_id, bucket_bytes=8192, keep=2)
+    try:
+        for v in range(4):
+            pub.publish(v, SPECS, iter(make_tensors(10 + v)))
+        sub = ShmWeightSubscriber(coord)  # joins after 4 versions
+        v = sub.newer_version()
+        assert v == 3
+        check_equal(sub.fetch(v), make_tensors(13))
+        sub.mark_loaded(9, v)
+        assert coord.acks()[9] == 3
+        assert coord.manifest(0) is None and coord.manifest(1) is None  # GC'd
+        assert sorted(pub.store.files) == [2, 3]
+        assert sub.fetch(1) is None  # a collected version is reported gone, not an error
+    finally:
+        pub.close()
+
+
+@pytest.mark.timeout(60)
+def test_missed_notifications_converge_by_polling(redis_url, run_id):
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=8192)
+    sub_coord = Coordinator(redis_url, run_id)
+    ps = sub_coord.subscribe_versions()
+    try:
+        pub.publish(0, SPECS, iter(make_tensors(0)))
+        ps.unsubscribe()  # the subscriber's channel drops: every later notification is lost
+        ps.get_message(timeout=0.1)
+
+        def later():
+            time.sleep(0.3)
+            pub.publish(1, SPECS, iter(make_tensors(1)))
+
+        th = threading.Thread(target=later)
+        th.start()
+        t0 = time.monotonic()
+        v = sub_coord.wait_version(0, timeout_s=10, pubsub=ps, poll_s=0.2)
+        th.join()
+        assert v == 1 and time.monotonic() - t0 < 5
+        sub = WeightSubscriber(sub_coord)
+        check_equal(sub.fetch(v), make_tensors(1))
+    finally:
+        pub.close()
+
+
+@pytest.mark.timeout(60)
+def test_corrupted_zmq_bucket_is_refetched(redis_url, run_id):
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="zmq", bucket_bytes=8192)
+    try:
+        tensors = make_tensors(4)
+        pub.publish(0, SPECS, iter(tensors))
+        sub = WeightSubscriber(coord, plane="zmq", streams=1)
+        pub.server.corrupt_next(1)
+        check_equal(sub.fetch(0), tensors)
+        assert sub.checksum_failures == 1
+        pub.server.corrupt_next(10)  # persistent corruption: raises, returns nothing
+        with pytest.raises(ChecksumError):
+            sub.fetch(0)
+        sub.close()
+    finally:
+        pub.close()
+
+
+class _Engine:
+    def __init__(self):
+        self.loads = 0
+        self.params = None
+
+    def load_weights(self, named):
+        self.params = {n: t.clone() for n, t in named}
+        self.loads += 1
+
+
+@pytest.mark.timeout(60)
+def test_corrupted_shm_bucket_is_never_loaded(redis_url, run_id):
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=8192)
+    try:
+        pub.publish(0, SPECS, iter(make_tensors(5)))
+        path = coord.manifest(0)["path"]
+        with open(path, "r+b") as f:  # flip one byte inside the second bucket
+            f.seek(coord.manifest(0)["buckets"][1]["offset"] + 3)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x40]))
+        sub = WeightSubscriber(coord, plane="shm")
+        engine = _Engine()
+        with pytest.raises(ChecksumError):
+            sub.load(engine, 1)
+        assert engine.loads == 0 and sub.loaded_version == -1 and 1 not in coord.acks()
+        pub.publish(1, SPECS, iter(make_tensors(6)))  # the next version heals it
+        assert sub.load(engine, 1) == 1 and engine.loads == 1
+        check_equal(engine.params.items(), make_tensors(6))
+    finally:
+        pub.close()
+
+
+@pytest.mark.timeout(60)
+def test_streaming_fetch_overlaps_publish(redis_url, run_id):
+    """A subscriber that starts on a version still being written gets the complete version."""
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="zmq", bucket_bytes=4096)
+    try:
+        tensors = make_tensors(7)
+
+        def slow():  # gather stalls between tensors, like collectives on a busy learner
+            for t in tensors:
+                time.sleep(0.05)
+                yield t
+
+        th = threading.Thread(target=pub.publish, args=(0, SPECS, slow()))
+        th.start()
+        sub = WeightSubscriber(Coordinator(redis_url, run_id), plane="zmq")
+        v = sub.coord.wait_version(-1, timeout_s=10, include_pending=True, poll_s=0.01)
+        assert v == 0
+        assert sub.coord.current_version() == -1  # still writing when the fetch starts
+        check_equal(sub.fetch(v), tensors)
+        th.join()
+        sub.close()
+    finally:
+        pub.close()
+
+
+@pytest.mark.timeout(90)
+def test_gloo_collective_plane(redis_url, run_id):
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="gloo", bucket_bytes=8192, collective_world=2, target="vllm")
+    try:
+        sub = WeightSubscriber(Coordinator(redis_url, run_id), collective_rank=1)
+        results = {}
+
+        def publish_all():
+            for v in range(2):
+                results[v] = pub.publish(v, SPECS, iter(make_tensors(20 + v)))
+
+        th = threading.Thread(target=publish_all)
+        th.start()
+        # The receiver thread starts at the first fetch attempt and joins the group.
+        deadline = time.monotonic() + 60
+        got = None
+        while got is None and time.monotonic() < deadline:
+            v = coord.pending_version()
+            if v >= 0:
+                got = sub.fetch(v) if v == 0 else None
+            time.sleep(0.01)
+        th.join(timeout=60)
+        check_equal(got, make_tensors(20), "vllm")
+        assert sub._receiver.take(1, 30) is not None
+        check_equal(sub.fetch(1), make_tensors(21), "vllm")
+        sub.close()
+    finally:
+        pub.close()
