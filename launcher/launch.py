@@ -1,181 +1,281 @@
-"""``streamrl-launch``: one command for the whole run.
+"""``streamrl-launch``: one command for the whole run, on one node or many.
 
-    streamrl-launch --config configs/tiny.yaml --learners 2 --rollers 2 --steps 40 --run-dir runs/tiny
+    streamrl-launch --config configs/tiny.yaml --learners 4 --rollers 4 --steps 20
 
-Starts (or connects to) Redis, stores the validated config there, starts the learner job
-through torch's elastic launcher (``python -m torch.distributed.run``) and the rollout workers
-as supervised subprocesses, restarts workers that die (``--max-restarts``, with backoff),
-and stops everything when the learner finishes, fails, or on Ctrl-C / SIGTERM.
-Exit code: 0 when the learner completed its steps; non-zero naming the part that failed.
+One node: starts an embedded Redis (loopback) unless ``--redis-url`` is given, stores the
+validated config there, starts the learner job through torch's elastic launcher
+(``python -m torch.distributed.run``) and the rollout workers as supervised subprocesses,
+each with the devices its placement gives it (``CUDA_VISIBLE_DEVICES`` / ``--device``).
+
+Many nodes: every host runs ``streamrl-launch`` with the same ``--run-id`` and
+``--redis-url`` and its own ``--node-rank``/``--role``; the head (learner rank 0's host)
+stores the config, the learner advertises its trajectory endpoint in Redis, workers on
+other hosts find it there. ``--dry-run`` prints processes, devices and endpoints.
+Exit code: 0 when this host's part finished; 1 naming the part that failed; 2 for bad input.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import signal
+import re
+import socket
+import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-from streamrl.config import ConfigError, load_config
+from streamrl.config import Config, ConfigError, config_from_dict, load_config
+from streamrl.launcher.runstate import LaunchError, check_redis_url, is_loopback, redact
+from streamrl.placement import LAUNCH_ROLES, NodePlan, canonical_role, plan_node, uses_cuda
+
+BASE_ENV = {"OMP_NUM_THREADS": "1", "STREAMRL_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="streamrl-launch", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/tiny.yaml", help="YAML run config (default: configs/tiny.yaml)")
+    p.add_argument("--learners", type=int, default=None,
+                   help="learner ranks in total (default: one per placement.learner device, else 1)")
+    p.add_argument("--rollers", type=int, default=None,
+                   help="rollout workers on this host (default: one per placement.rollout device here)")
+    p.add_argument("--steps", type=int, default=None, help="override run.steps")
+    p.add_argument("--run-dir", default=None, help="override run.run_dir (logs go to RUN_DIR/logs)")
+    g = p.add_argument_group("placement")
+    g.add_argument("--place", action="append", default=[], metavar="ROLE=DEVICES",
+                   help="place a role: learner|actor, rollout, reference, reward, critic = cpu | cuda | cuda:0,cuda:1 "
+                        "| cuda:0-3 | node1:cuda:0 (overrides placement.ROLE)")
+    g.add_argument("--colocate", action="append", default=[], metavar="ROLE,ROLE",
+                   help="roles allowed to share GPUs, e.g. learner,reference")
+    g = p.add_argument_group("multi-node")
+    g.add_argument("--role", choices=LAUNCH_ROLES, default="all", help="what this host starts (default: all)")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts in the run (default 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's rank, 0..nnodes-1 (default 0)")
+    g.add_argument("--master-addr", default=None, help="address of the learner's first node (torch rendezvous)")
+    g.add_argument("--master-port", type=int, default=29500, help="torch rendezvous port (default 29500)")
+    g.add_argument("--run-id", default=None, help="run id shared by every host (required with --role/--nnodes)")
+    g.add_argument("--bind-host", default=None, help="address the learner's trajectory socket binds "
+                                                     "(default: 127.0.0.1 on one node, 0.0.0.0 across hosts)")
+    g.add_argument("--advertise-host", default=None, help="address other hosts use to reach this one "
+                                                          "(default: --master-addr, else the hostname)")
+    g = p.add_argument_group("redis")
+    g.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")
+    g.add_argument("--redis-host", default="127.0.0.1",
+                   help="bind address of the embedded Redis (non-loopback needs --redis-password)")
+    g.add_argument("--redis-port", type=int, default=None, help="port of the embedded Redis (default: a free one)")
+    g.add_argument("--redis-password", default=os.environ.get("STREAMRL_REDIS_PASSWORD"),
+                   help="password of the embedded Redis (default: $STREAMRL_REDIS_PASSWORD)")
+    g = p.add_argument_group("supervision")
+    g.add_argument("--max-restarts", type=int, default=3, help="restarts per rollout worker before giving up")
+    g.add_argument("--restart-backoff", type=float, default=1.0, help="first restart delay in s, doubled each time")
+    g.add_argument("--learner-restarts", type=int, default=0,
+                   help="restart a failed learner this many times (with --resume when the learner supports it)")
+    g.add_argument("--resume", action="store_true", help="start the learner with --resume (continue a checkpoint)")
+    g.add_argument("--stop-grace", type=float, default=30.0, help="seconds the learner gets to stop before SIGTERM")
+    g.add_argument("--wait-timeout", type=float, default=300.0,
+                   help="seconds a non-head host waits for the run to appear in Redis")
+    p.add_argument("--dry-run", action="store_true", help="print processes, devices and endpoints, start nothing")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. learner.lr=1e-3")
+    return p
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="streamrl-launch", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/tiny.yaml", help="YAML run config (default: configs/tiny.yaml)")
-    p.add_argument("--learners", type=int, default=1, help="learner ranks (torch.distributed world size)")
-    p.add_argument("--rollers", type=int, default=1, help="rollout worker processes")
-    p.add_argument("--steps", type=int, default=None, help="override run.steps")
-    p.add_argument("--run-dir", default=None, help="override run.run_dir")
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts per rollout worker before giving up")
-    p.add_argument("--dry-run", action="store_true", help="print what would start and exit")
-    p.add_argument("overrides", nargs="*", help="config overrides, e.g. learner.lr=1e-3")
-    return p.parse_args(argv)
+    return build_parser().parse_args(argv)
+
+
+@dataclass
+class Launch:
+    """Everything decided before a process starts (printed by --dry-run)."""
+
+    args: argparse.Namespace
+    cfg: Config
+    plan: NodePlan
+    run_id: str
+    run_dir: Path
+    head: bool
+    multi: bool
+    redis_url: str | None  # None: embedded, started by this host
+    bind_host: str
+    advertise_host: str | None
+    host: str
+
+    @property
+    def learner_log(self) -> Path:
+        name = "learner.log" if self.plan.learner_nnodes == 1 else f"learner-node{self.plan.node_rank}.log"
+        return self.run_dir / "logs" / name
+
+    def learner_cmd(self, url: str) -> list[str]:
+        plan, a = self.plan, self.args
+        cmd = [sys.executable, "-m", "torch.distributed.run"]
+        nproc = len(plan.learner.devices)
+        if plan.learner_nnodes == 1 and not a.master_addr:
+            cmd += ["--standalone", f"--nproc-per-node={nproc}"]
+        else:
+            cmd += [f"--nnodes={plan.learner_nnodes}", f"--node-rank={plan.learner_node_rank}",
+                    f"--nproc-per-node={nproc}", f"--master-addr={a.master_addr or '127.0.0.1'}",
+                    f"--master-port={a.master_port}"]
+        cmd += ["-m", "streamrl.workers.learner", "--redis-url", url, "--run-id", self.run_id]
+        if self.multi:
+            cmd += ["--bind-host", self.bind_host, "--advertise-host", self.advertise_host]
+        if a.resume:
+            cmd.append("--resume")
+        return cmd
+
+    def rollout_cmd(self, url: str, wid: int, num_workers: int, device: str) -> list[str]:
+        return [sys.executable, "-m", "streamrl.workers.rollout", "--redis-url", url, "--run-id", self.run_id,
+                "--worker-id", str(wid), "--num-workers", str(num_workers), "--device", device]
+
+
+def _overrides(args) -> list[str]:
+    out = list(args.overrides)
+    if args.steps is not None:
+        out.append(f"run.steps={args.steps}")
+    if args.run_dir is not None:
+        out.append(f"run.run_dir={args.run_dir}")
+    for item in args.place:
+        if "=" not in item:
+            raise LaunchError(f"--place {item!r}: expected ROLE=DEVICES, e.g. learner=cuda:0,cuda:1")
+        role, devs = item.split("=", 1)
+        role = canonical_role(role, f"--place {item}")
+        out.append(f"placement.{role}=[{', '.join(d.strip() for d in devs.split(',') if d.strip())}]")
+    if args.colocate:
+        groups = [[canonical_role(r, f"--colocate {g}") for r in re.split(r"[,+\s]+", g) if r] for g in args.colocate]
+        out.append("placement.colocate=" + json.dumps(groups))
+    return out
+
+
+def _gpu_info(cfg: Config) -> tuple[int, list[str] | None]:
+    """This host's GPU count (torch is imported only if a role may use CUDA) and CUDA_VISIBLE_DEVICES."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [v.strip() for v in vis.split(",") if v.strip()] if vis else None
+    if not uses_cuda(cfg.placement, cfg.learner.device, cfg.rollout.device):
+        return 0, visible
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.device_count(), visible
+
+
+def make_plan(args, cfg: Config) -> NodePlan:
+    gpu_count, visible = _gpu_info(cfg)
+    return plan_node(cfg.placement, learners=args.learners, rollers=args.rollers,
+                     learner_device=cfg.learner.device, rollout_device=cfg.rollout.device, nnodes=args.nnodes,
+                     node_rank=args.node_rank, role=args.role, gpu_count=gpu_count, visible=visible)
+
+
+def prepare(args) -> Launch:
+    """Validate flags, config and placement; decide the run id, Redis and endpoints. Raises one-line errors."""
+    multi = args.nnodes > 1 or args.role != "all"
+    if args.run_id is None and multi:
+        raise LaunchError(f"--run-id is required with --role {args.role} / --nnodes {args.nnodes}: "
+                          f"every host of the run must use the same one")
+    if args.run_id is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", args.run_id):
+        raise LaunchError(f"--run-id {args.run_id!r}: use letters, digits, '_', '.', '-' (at most 128)")
+    if args.role == "learner" and args.rollers:
+        raise LaunchError(f"--rollers {args.rollers} with --role learner: this host starts no rollout workers")
+    for flag in ("max_restarts", "learner_restarts"):
+        if getattr(args, flag) < 0:
+            raise LaunchError(f"--{flag.replace('_', '-')} = {getattr(args, flag)}: must be >= 0")
+    config = args.config
+    if args.role == "rollout" and not Path(config).is_file():
+        config = None  # the head's config in Redis is what counts on a rollout host
+    cfg = load_config(config, _overrides(args))
+    plan = make_plan(args, cfg)
+    head = plan.learner is not None and plan.learner_node_rank == 0
+    if plan.learner is not None:
+        cfg.learner.device = plan.learner.device_arg  # ranks take cuda:LOCAL_RANK of their visible GPUs
+        if plan.learner_nnodes > 1 and not args.master_addr:
+            raise LaunchError(f"--master-addr is required: learner ranks span nodes {plan.learner_nodes}")
+    if args.redis_url:
+        check_redis_url(args.redis_url)
+    elif not head:
+        raise LaunchError(f"--role {args.role} on node {args.node_rank} needs --redis-url: the head host "
+                          f"(learner rank 0) owns the run's Redis")
+    elif multi and is_loopback(args.redis_host):
+        raise LaunchError("the embedded Redis binds 127.0.0.1, which other hosts cannot reach: pass "
+                          "--redis-host ADDR --redis-password PW, or --redis-url of a shared Redis")
+    elif not is_loopback(args.redis_host) and not args.redis_password:
+        raise LaunchError(f"--redis-host {args.redis_host}: a Redis reachable from other hosts needs "
+                          f"--redis-password (or $STREAMRL_REDIS_PASSWORD)")
+    reachable = multi or (args.redis_url is not None and not is_loopback(_url_host(args.redis_url)))
+    bind = args.bind_host or ("0.0.0.0" if reachable else "127.0.0.1")
+    advertise = args.advertise_host or (args.master_addr if reachable else None)
+    if reachable and not advertise:
+        advertise = socket.gethostname()
+    run_id = args.run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    run_dir = Path(cfg.run.run_dir).resolve()
+    cfg.run.run_dir = str(run_dir)
+    host = f"node{args.node_rank}-{args.role}-{socket.gethostname()}-{os.getpid()}"
+    return Launch(args, cfg, plan, run_id, run_dir, head, multi, args.redis_url, bind, advertise, host)
+
+
+def _url_host(url: str) -> str:
+    from streamrl.launcher.runstate import redis_host_of  # noqa: PLC0415
+
+    return redis_host_of(url)
+
+
+def describe(launch: Launch) -> dict:
+    """The --dry-run report: processes with commands, devices, environment and log files; endpoints."""
+    a = launch.args
+    url = launch.redis_url or (f"redis://{':***@' if a.redis_password else ''}{a.redis_host}:"
+                               f"{a.redis_port or '<free port>'}/0 (embedded)")
+    url = redact(url)
+    procs = []
+    if launch.plan.learner:
+        procs.append({"name": "learner", "cmd": launch.learner_cmd(url), "env": launch.plan.learner.env,
+                      "devices": [str(d) for d in launch.plan.learner.devices], "log": str(launch.learner_log)})
+    for i, r in enumerate(launch.plan.rollouts):
+        wid = f"<id {i}>" if not launch.head or launch.multi else str(i)
+        procs.append({"name": f"rollout-{wid}", "cmd": launch.rollout_cmd(url, wid, len(launch.plan.rollouts),
+                                                                             r.device_arg),
+                      "env": r.env, "devices": [str(d) for d in r.devices],
+                      "hosted": {k: [str(d) for d in v] for k, v in r.hosted.items()},
+                      "log": str(launch.run_dir / "logs" / f"rollout-{wid}.log")})
+    traj_host = launch.advertise_host or launch.bind_host
+    return {
+        "run_id": launch.run_id, "node_rank": a.node_rank, "nnodes": a.nnodes, "role": a.role, "head": launch.head,
+        "run_dir": str(launch.run_dir), "redis": url,
+        "endpoints": {
+            "trajectories": f"tcp://{traj_host}:<port picked by learner rank 0, published in Redis>"
+                            if launch.plan.learner else "read from Redis (published by learner rank 0)",
+            "learner_rendezvous": (f"{a.master_addr or '127.0.0.1'}:{a.master_port}"
+                                   if (launch.plan.learner_nnodes > 1 or a.master_addr) else "standalone (local)"),
+            "bind_host": launch.bind_host,
+        },
+        "placement": {"learner_world": launch.plan.learner_world, "learner_nodes": launch.plan.learner_nodes,
+                      "colocate": launch.cfg.placement.colocate},
+        "processes": procs,
+    }
+
+
+def learner_accepts(flag: str) -> bool:
+    """Whether the installed learner entry point has ``flag`` (asked through its --help)."""
+    out = subprocess.run([sys.executable, "-m", "streamrl.workers.learner", "--help"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, **BASE_ENV})
+    return flag in out.stdout
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    overrides = list(args.overrides)
-    if args.steps is not None:
-        overrides.append(f"run.steps={args.steps}")
-    if args.run_dir is not None:
-        overrides.append(f"run.run_dir={args.run_dir}")
     try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
+        launch = prepare(args)
+        if args.dry_run:
+            print(json.dumps(describe(launch), indent=2))
+            return 0
+        if args.resume and not learner_accepts("--resume"):
+            raise LaunchError("--resume: this learner has no --resume flag (checkpointing not installed)")
+    except ConfigError as e:  # PlacementError and LaunchError are ConfigError / ValueError
         print(f"streamrl-launch: {e}", file=sys.stderr)
         return 2
-    for flag in ("learners", "rollers"):
-        if getattr(args, flag) < 1:
-            print(f"streamrl-launch: --{flag} = {getattr(args, flag)}: must be >= 1", file=sys.stderr)
-            return 2
-    run_dir = Path(cfg.run.run_dir).resolve()
-    cfg.run.run_dir = str(run_dir)
-    run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    from streamrl.launcher.process import ManagedProcess  # noqa: PLC0415  (fast --help)
+    except LaunchError as e:
+        print(f"streamrl-launch: {e}", file=sys.stderr)
+        return 2
+    from streamrl.launcher.runner import execute  # noqa: PLC0415  (fast --help and --dry-run)
 
-    py = sys.executable
-    env = {"OMP_NUM_THREADS": "1", "STREAMRL_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-    def commands(url: str) -> tuple[ManagedProcess, list[ManagedProcess]]:
-        learner = ManagedProcess(
-            "learner",
-            [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.learners}",
-             "-m", "streamrl.workers.learner", "--redis-url", url, "--run-id", run_id],
-            run_dir / "logs" / "learner.log", env=env)
-        rollers = [
-            ManagedProcess(f"rollout-{i}",
-                           [py, "-m", "streamrl.workers.rollout", "--redis-url", url, "--run-id", run_id,
-                            "--worker-id", str(i), "--num-workers", str(args.rollers)],
-                           run_dir / "logs" / f"rollout-{i}.log", env=env, max_restarts=args.max_restarts)
-            for i in range(args.rollers)
-        ]
-        return learner, rollers
-
-    if args.dry_run:
-        learner, rollers = commands(args.redis_url or "redis://127.0.0.1:<free port>/0 (embedded)")
-        print(json.dumps({"run_id": run_id, "run_dir": str(run_dir),
-                          "processes": [{"name": p.name, "cmd": p.cmd, "log": str(p.log_path)}
-                                        for p in [learner, *rollers]]}, indent=2))
-        return 0
-
-    from streamrl.launcher.redis_server import RedisServer  # noqa: PLC0415
-    from streamrl.coord.coordinator import Coordinator  # noqa: PLC0415
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "metrics.jsonl"):
-        (run_dir / stale).unlink(missing_ok=True)
-    server = None
-    if args.redis_url is None:
-        server = RedisServer(run_dir / "redis").start()
-        url = server.url
-    else:
-        url = args.redis_url
-    coord = Coordinator(url, run_id)
-    coord.put_config(cfg.to_dict())
-    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "redis_url": url}, indent=2))
-    learner, rollers = commands(url)
-    print(f"streamrl-launch: run {run_id}, {args.learners} learner(s), {args.rollers} roller(s), "
-          f"Redis {url}, logs in {run_dir / 'logs'}", flush=True)
-
-    interrupted = []
-
-    def on_signal(signum, frame):
-        interrupted.append(signum)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    failures: list[str] = []
-    try:
-        learner.start()
-        for r in rollers:
-            r.start()
-        while True:
-            if interrupted:
-                failures.append(f"interrupted by signal {interrupted[0]}")
-                coord.request_stop("interrupted")
-                break
-            rc = learner.poll()
-            if rc is not None:
-                if rc != 0:
-                    failures.append(f"learner exited with code {rc} (see {learner.log_path})")
-                break
-            for r in rollers:
-                code = r.poll()
-                if code is not None and r.proc is not None:
-                    if code == 0 or coord.stop_reason() is not None:
-                        r.exit_codes.append(code)  # finished with the run: nothing to restart
-                        r.proc = None
-                        r.max_restarts = r.restarts
-                    elif r.schedule_restart():
-                        print(f"streamrl-launch: {r.name} exited with {code}; restart {r.restarts}/"
-                              f"{r.max_restarts}", flush=True)
-                    else:
-                        print(f"streamrl-launch: {r.name} exited with {code}; no restarts left", flush=True)
-                if r.restart_due():
-                    r.start()
-            if rollers and all(r.proc is None and not r.restarting for r in rollers) and coord.stop_reason() is None:
-                failures.append("all rollout workers failed")
-                coord.request_stop("all rollout workers failed")
-                break
-            time.sleep(0.2)
-    finally:
-        # Learner first (it writes the summary on a stop request), then the workers.
-        try:
-            coord.request_stop(coord.stop_reason() or "launcher exiting")
-        except Exception:
-            pass
-        deadline = time.monotonic() + 30
-        while learner.alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        learner.stop(grace_s=5)
-        for r in rollers:
-            r.stop(grace_s=10)
-        if server:
-            server.stop()
-        for s, h in old.items():
-            signal.signal(s, h)
-    summary_path = run_dir / "summary.json"
-    print(_exit_report(learner, rollers, summary_path, failures), flush=True)
-    if not failures and not summary_path.exists():
-        failures.append("learner wrote no summary.json")
-    return 1 if failures else 0
-
-
-def _exit_report(learner, rollers, summary_path: Path, failures: list[str]) -> str:
-    lines = ["streamrl-launch: exit summary"]
-    for p in [learner, *rollers]:
-        codes = p.exit_codes + ([p.proc.returncode] if p.proc is not None else [])
-        lines.append(f"  {p.name:<12} exit codes {codes} restarts {p.restarts}  log {p.log_path}")
-    if summary_path.exists():
-        s = json.loads(summary_path.read_text())
-        lines.append(f"  steps {s['steps']} samples {s['samples']} wall {s['wall_s']:.1f}s "
-                     f"reward {s['reward_first']} -> {s['reward_last']}  ({summary_path})")
-    lines += [f"  FAILED: {f}" for f in failures] or ["  OK"]
-    return "\n".join(lines)
+    return execute(launch)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,11 @@ class ManagedProcess:
     restarts: int = 0
     exit_codes: list[int] = field(default_factory=list)
     _restart_at: float | None = None
+    parked_since: float | None = None
+    """Set while the process exited because the run stopped; it restarts only if the run goes on."""
 
     def start(self) -> None:
+        self.parked_since = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         log.write(f"\n=== start {self.name} (restart {self.restarts}): {' '.join(self.cmd)}\n".encode())

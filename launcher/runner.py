@@ -1,0 +1,110 @@
+"""Carry out a prepared :class:`~streamrl.launcher.launch.Launch` on this host.
+
+Head host: start the embedded Redis (if no URL), reset the run's namespace, store the
+config, start its learner part and workers. Other hosts: wait for the head's config in
+Redis, re-plan with it (the head's placement is the run's placement), take worker ids from
+the shared counter, start their part. Then supervise (:mod:`streamrl.launcher.supervisor`).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+from streamrl.config import ConfigError, config_from_dict
+from streamrl.coord.coordinator import Coordinator
+from streamrl.launcher.launch import BASE_ENV, Launch, learner_accepts, make_plan
+from streamrl.launcher.process import ManagedProcess
+from streamrl.launcher.redis_server import RedisServer
+from streamrl.launcher.runstate import LaunchError, RunState, redact
+from streamrl.launcher.supervisor import Supervisor, exit_report
+
+
+def _say(msg: str) -> None:
+    print(f"streamrl-launch: {msg}", flush=True)
+
+
+def execute(launch: Launch) -> int:
+    args = launch.args
+    server = None
+    if launch.head:
+        launch.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("summary.json", "metrics.jsonl"):
+            (launch.run_dir / stale).unlink(missing_ok=True)
+    try:
+        if launch.redis_url is None:
+            server = RedisServer(launch.run_dir / "redis", port=args.redis_port, host=args.redis_host,
+                                 password=args.redis_password).start()
+            url = server.url
+        else:
+            url = launch.redis_url
+        coord = Coordinator(url, launch.run_id)
+        state = RunState(coord, launch.run_id)
+        if launch.head:
+            if args.run_id is not None and not args.resume:
+                state.reset_namespace()
+            coord.put_config(launch.cfg.to_dict())
+        else:
+            _say(f"waiting for run {launch.run_id} in Redis {redact(url)}")
+            launch.cfg = config_from_dict(state.wait_for_run(args.wait_timeout))
+            launch.plan = make_plan(args, launch.cfg)  # the head's placement is the run's
+            if args.run_dir is not None:
+                launch.cfg.run.run_dir = args.run_dir
+            launch.run_dir = Path(launch.cfg.run.run_dir).resolve()
+        procs = _processes(launch, url, state)
+    except (ConfigError, LaunchError) as e:
+        if server:
+            server.stop()
+        print(f"streamrl-launch: {e}", file=sys.stderr)
+        return 2
+    except BaseException:
+        if server:
+            server.stop()
+        raise
+    learner, rollers = procs
+    if launch.head:
+        (launch.run_dir / "run.json").write_text(json.dumps(
+            {"run_id": launch.run_id, "redis_url": redact(url), "placement": launch.plan.to_dict()}, indent=2))
+    parts = [f"{len(launch.plan.learner.devices)} of {launch.plan.learner_world} learner rank(s)"] if learner else []
+    parts.append(f"{len(rollers)} roller(s) {[r.name for r in rollers]}")
+    _say(f"run {launch.run_id}, node {args.node_rank}/{args.nnodes}, role {args.role}: {', '.join(parts)}; "
+         f"Redis {redact(url)}; logs in {launch.run_dir / 'logs'}")
+    restart_args, keep = [], False
+    if launch.head and args.learner_restarts > 0:
+        keep = learner_accepts("--resume")
+        restart_args = ["--resume"] if keep else []
+    sup = Supervisor(state, learner, rollers, head=launch.head, host=launch.host,
+                     learner_restarts=args.learner_restarts, restart_args=restart_args, keep_progress=keep,
+                     single_host=not launch.multi, stop_grace_s=args.stop_grace, park_timeout_s=args.wait_timeout)
+    state.set_host(launch.host, "running")
+    old = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        failures = sup.run()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if server:
+            server.stop()
+    summary = launch.run_dir / "summary.json" if launch.head else None
+    if summary is not None and not failures and not summary.exists():
+        failures.append("learner wrote no summary.json")
+    print(exit_report(([learner] if learner else []) + rollers, summary, failures), flush=True)
+    return 1 if failures else 0
+
+
+def _processes(launch: Launch, url: str, state: RunState):
+    logs = launch.run_dir / "logs"
+    learner = None
+    if launch.plan.learner is not None:
+        learner = ManagedProcess("learner", launch.learner_cmd(url), launch.learner_log,
+                                 env={**BASE_ENV, **launch.plan.learner.env})
+    ids = state.allocate_worker_ids(len(launch.plan.rollouts)) if launch.plan.rollouts else []
+    num_workers = max(state.worker_id_count(), len(ids))
+    rollers = [
+        ManagedProcess(f"rollout-{wid}", launch.rollout_cmd(url, wid, num_workers, r.device_arg),
+                       logs / f"rollout-{wid}.log", env={**BASE_ENV, **r.env},
+                       max_restarts=launch.args.max_restarts, backoff_s=launch.args.restart_backoff)
+        for wid, r in zip(ids, launch.plan.rollouts)
+    ]
+    return learner, rollers

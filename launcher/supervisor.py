@@ -1,0 +1,211 @@
+"""Supervision of one host's processes: restarts, learner failure, orderly shutdown, exit summary.
+
+Rules (one loop, 5 ticks a second):
+
+* a rollout worker that dies is restarted up to ``max_restarts`` with exponential backoff;
+  one that exits because the run stopped is *parked*, and restarted only if the run goes on
+  (the head restarted the learner: the run's ``epoch`` advanced);
+* the learner finishing ends the run; a learner failure ends it too, unless
+  ``learner_restarts`` are left: then workers are halted, the run state is reset (kept with
+  ``--resume``), the epoch advances and the learner starts again;
+* Ctrl-C / SIGTERM: the head asks the learner to stop through Redis (it finishes its step and
+  writes summary.json), then SIGTERMs it (a learner with a handler checkpoints) and only then
+  kills; workers are stopped after the learner; the head marks the run done and gives other
+  hosts a moment to notice before an embedded Redis goes away.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from streamrl.launcher.process import ManagedProcess
+from streamrl.launcher.runstate import RunState
+
+TICK_S = 0.2
+
+
+@dataclass
+class Supervisor:
+    state: RunState
+    learner: ManagedProcess | None
+    rollers: list[ManagedProcess]
+    head: bool
+    host: str
+    learner_restarts: int = 0
+    restart_args: list[str] = field(default_factory=list)
+    """Arguments added to the learner command on a restart (``--resume`` when the learner has it)."""
+    keep_progress: bool = False
+    single_host: bool = True
+    stop_grace_s: float = 30.0
+    park_timeout_s: float = 300.0
+    failures: list[str] = field(default_factory=list)
+    interrupted: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.coord = self.state.coord
+        self.epoch = self.state.epoch()
+        self.seen_stop = False
+
+    def on_signal(self, signum, frame) -> None:
+        self.interrupted.append(signum)
+
+    def say(self, msg: str) -> None:
+        print(f"streamrl-launch: {msg}", flush=True)
+
+    # -- main loop -----------------------------------------------------------------------------
+    def run(self) -> list[str]:
+        if self.learner:
+            self.learner.start()
+        for r in self.rollers:
+            r.start()
+        try:
+            while not self._tick():
+                time.sleep(TICK_S)
+        finally:
+            self.shutdown()
+        return self.failures
+
+    def _tick(self) -> bool:
+        """One supervision step; True when this host is finished."""
+        if self.interrupted:
+            self.failures.append(f"interrupted by signal {self.interrupted[0]}")
+            return True
+        if self.learner and self.learner.proc is not None:
+            rc = self.learner.poll()
+            if rc == 0:
+                return True
+            if rc is not None:
+                if self.head and self.learner.restarts < self.learner_restarts:
+                    self._restart_learner(rc)
+                else:
+                    self.failures.append(f"learner exited with code {rc} (see {self.learner.log_path})")
+                    return True
+        try:
+            stop = self.coord.stop_reason()
+            if not self.head:
+                if self.state.done() is not None:
+                    return True
+                epoch = self.state.epoch()
+                if epoch != self.epoch:
+                    self.epoch = epoch
+                    self.say(f"learner restarted (epoch {epoch}); restarting {len(self.rollers)} worker(s)")
+                    self._restart_rollers()
+        except redis.RedisError as e:
+            if self.seen_stop:
+                return True  # the head's Redis went away after the run stopped
+            self.failures.append(f"lost Redis: {e}")
+            return True
+        self.seen_stop |= stop is not None
+        now = time.monotonic()
+        for r in self.rollers:
+            code = r.poll()
+            if code is not None and r.proc is not None:
+                if code == 0 or stop is not None:
+                    r.exit_codes.append(code)
+                    r.proc = None
+                    r.parked_since = now
+                elif r.schedule_restart():
+                    self.say(f"{r.name} exited with {code}; restart {r.restarts}/{r.max_restarts} "
+                             f"in {r.backoff_s * 2 ** (r.restarts - 1):.0f} s")
+                else:
+                    self.say(f"{r.name} exited with {code}; no restarts left")
+            if r.restart_due():
+                r.start()
+        if self.rollers and all(r.proc is None and not r.restarting and r.parked_since is None for r in self.rollers):
+            self.failures.append("all rollout workers failed" + ("" if self.single_host else " on this host"))
+            if self.single_host:
+                self.coord.request_stop("all rollout workers failed")
+            return True
+        if not self.learner and self.rollers and all(r.parked_since is not None for r in self.rollers):
+            if now - min(r.parked_since for r in self.rollers) > self.park_timeout_s:
+                self.failures.append(f"run stopped ({stop}) and neither finished nor restarted within "
+                                     f"{self.park_timeout_s:.0f} s")
+                return True
+        return False
+
+    def _restart_learner(self, rc: int) -> None:
+        lr = self.learner
+        lr.exit_codes.append(rc)
+        lr.restarts += 1
+        self.say(f"learner exited with {rc}; restart {lr.restarts}/{self.learner_restarts}"
+                 f"{' with ' + ' '.join(self.restart_args) if self.restart_args else ' from scratch (no --resume)'}")
+        self.coord.request_stop("learner restarting")  # halt workers everywhere before the reset
+        lr.stop(grace_s=0)  # reap stragglers of the old job
+        for r in self.rollers:
+            r.stop(grace_s=10)
+            r.proc = None
+        self.state.reset_for_learner_restart(self.keep_progress)
+        self.coord.r.delete(self.coord.keys.stop)
+        self.epoch = self.state.bump_epoch()
+        for a in self.restart_args:
+            if a not in lr.cmd:
+                lr.cmd.append(a)
+        lr.start()
+        for r in self.rollers:
+            r.start()
+
+    def _restart_rollers(self) -> None:
+        for r in self.rollers:
+            r.stop(grace_s=10)
+            r.proc = None
+            r.start()
+
+    # -- shutdown ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        reason = self.failures[0] if self.failures else "completed"
+        lr = self.learner
+        if lr is not None and lr.alive():
+            if self.head:
+                self._safe(lambda: self.coord.stop_reason() or self.coord.request_stop(reason))
+            if not _wait(lr, self.stop_grace_s):
+                self.say(f"learner still running {self.stop_grace_s:.0f} s after the stop request; SIGTERM")
+                lr.signal(signal.SIGTERM)
+                if not _wait(lr, self.stop_grace_s):
+                    self.say("learner ignored SIGTERM; SIGKILL")
+        if lr is not None:
+            lr.stop(grace_s=1)
+        if self.head:
+            self._safe(lambda: self.coord.stop_reason() or self.coord.request_stop(reason))
+        for r in self.rollers:
+            r.stop(grace_s=10)
+        if self.head:
+            self._safe(lambda: self.state.set_done(reason))
+            if not self.single_host:
+                left = self._safe(lambda: self.state.wait_hosts_exited(15.0, self.host)) or []
+                if left:
+                    self.say(f"hosts still running after 15 s: {', '.join(left)}")
+        self._safe(lambda: self.state.set_host(self.host, "exited"))
+
+    @staticmethod
+    def _safe(fn):
+        try:
+            return fn()
+        except redis.RedisError:
+            return None
+
+
+def _wait(p: ManagedProcess, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while p.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not p.alive()
+
+
+def exit_report(procs: list[ManagedProcess], summary_path: Path | None, failures: list[str]) -> str:
+    """The exit summary: every process with its exit codes and restarts, the run's figures, the verdict."""
+    lines = ["streamrl-launch: exit summary"]
+    for p in procs:
+        codes = p.exit_codes + ([p.proc.returncode] if p.proc is not None else [])
+        lines.append(f"  {p.name:<14} exit codes {codes} restarts {p.restarts}  log {p.log_path}")
+    if summary_path is not None and summary_path.exists():
+        s = json.loads(summary_path.read_text())
+        lines.append(f"  {s.get('status', '')}: steps {s.get('steps')} samples {s.get('samples')} "
+                     f"wall {s.get('wall_s', 0):.1f}s reward {s.get('reward_first')} -> {s.get('reward_last')}  "
+                     f"({summary_path})")
+    lines += [f"  FAILED: {f}" for f in failures] or ["  OK"]
+    return "\n".join(lines)
