@@ -136,6 +136,8 @@ def main(argv=None) -> int:
                     "learner/staleness_mean": lags,
                     "learner/samples_dropped_stale": buffer.dropped_stale,
                     "learner/buffer_trajectories": buffer.pending_trajectories(),
+                    # cumulative trained trajectories per version lag (streamrl-monitor's histogram)
+                    **{f"learner/staleness_hist/{lag}": float(n) for lag, n in buffer.lag_histogram.items()},
                     "time": time.time(),
                     "wall_s": time.time() - t_start,
                     **receiver.stats(),
