@@ -1,4 +1,10 @@
-"""transformers engine: batched sampling with KV cache and behaviour log-probs."""
+"""transformers engine: batched sampling with KV cache, behaviour log-probs, routing capture.
+
+Sampling uses the plain tempered softmax (no top-k/top-p), so the recorded ``log mu`` is
+exactly the distribution the learner's importance weights assume. With ``record_routing``
+a forward hook on every MoE router keeps the top-k expert ids of each generation step, so
+trajectories can carry ``routed_experts`` for routing replay in the learner.
+"""
 from __future__ import annotations
 
 from typing import Iterable
@@ -9,20 +15,38 @@ import torch.nn.functional as F
 from streamrl.engines.base import Generation
 
 
+def find_routers(model) -> list[torch.nn.Module]:
+    """MoE router modules in layer order (transformers 5 ``*TopKRouter``: returns logits, weights, ids)."""
+    return [m for name, m in model.named_modules()
+            if name.endswith("mlp.gate") and hasattr(m, "top_k") and hasattr(m, "weight")]
+
+
 class HFEngine:
-    """Generation with ``model.generate`` (KV cache), log-probs from the raw logits.
+    """Generation with ``model.generate`` (KV cache), log-probs from the raw logits."""
 
-    Sampling uses the plain tempered softmax (no top-k/top-p), so the recorded
-    ``log mu`` is exactly the distribution the learner's importance weights assume.
-    """
+    name = "hf"
 
-    def __init__(self, model, tokenizer, device: str = "cpu"):
+    def __init__(self, model, tokenizer, device: str = "cpu", record_routing: bool = False):
         self.model = model.to(device).eval()
         self.tok = tokenizer
         self.device = torch.device(device)
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self._params = dict(self.model.named_parameters())
+        self.routers = find_routers(self.model) if record_routing else []
+        self._steps: list[list[torch.Tensor]] | None = None  # per forward: per layer [N, k]
+        for layer_idx, router in enumerate(self.routers):
+            router.register_forward_hook(self._make_hook(layer_idx))
+
+    def _make_hook(self, layer_idx: int):
+        def hook(module, args, output):
+            if self._steps is None:
+                return
+            ids = output[2]  # [N_tokens, k]
+            if layer_idx == 0:
+                self._steps.append([])
+            self._steps[-1].append(ids.detach().to("cpu", torch.int16))
+        return hook
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0) -> Generation:
@@ -33,29 +57,58 @@ class HFEngine:
         for i, p in enumerate(prompts):  # left padding keeps the last prompt token aligned
             ids[i, width - len(p):] = torch.tensor(p)
             attn[i, width - len(p):] = 1
-        out = self.model.generate(
-            input_ids=ids.to(self.device),
-            attention_mask=attn.to(self.device),
-            do_sample=True,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos_id,
-        )
+        self._steps = [] if self.routers else None
+        try:
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
+                do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                max_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True,
+                pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+            )
+            steps, self._steps = self._steps, None
+        finally:
+            self._steps = None
         seq = out.sequences[:, width:].cpu()  # [B, T_new]
         logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, T_new, V]
         lp = F.log_softmax(logits / temperature, dim=-1).gather(-1, seq.unsqueeze(-1)).squeeze(-1)
-        tokens, logprobs = [], []
+        routing = self._routing_tensor(steps, b, width, seq.shape[1]) if steps else None  # [B, T, L, k]
+        tokens, logprobs, routed = [], [], []
         for i in range(b):
             row = seq[i].tolist()
             n = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
             tokens.append(row[:n])
             logprobs.append(lp[i, :n].tolist())
-        return Generation(tokens=tokens, logprobs=logprobs)
+            if routing is not None:
+                routed.append(routing[i, :n].contiguous())
+        return Generation(tokens=tokens, logprobs=logprobs, routed_experts=routed if routing is not None else None)
+
+    @staticmethod
+    def _routing_tensor(steps: list[list[torch.Tensor]], b: int, width: int, t_new: int) -> torch.Tensor:
+        """Per-token routing ``[B, T_new, L, k]`` from the hooked forwards.
+
+        Forward 0 is the prefill over ``[B, width]``; its last position predicts token 0.
+        Forward s >= 1 feeds token s-1 and predicts token s.
+        """
+        per_step = []
+        for s, layers in enumerate(steps[:t_new]):
+            stacked = torch.stack(layers, dim=1)  # [N, L, k]
+            if s == 0:
+                stacked = stacked.view(b, width, *stacked.shape[1:])[:, -1]
+            per_step.append(stacked.view(b, *stacked.shape[-2:]))
+        return torch.stack(per_step, dim=1)
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
+        """Teacher-forced log-probs (temperature 1) of ``seq[start:]``; right padding."""
+        b, width = len(sequences), max(len(s) for s in sequences)
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((b, width), dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, :len(s)] = torch.tensor(s)
+            attn[i, :len(s)] = 1
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False).logits
+        lp = F.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:].to(self.device).unsqueeze(-1)).squeeze(-1).cpu()
+        return [lp[i, st - 1: len(s) - 1].tolist() for i, (s, st) in enumerate(zip(sequences, start))]
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -75,3 +128,7 @@ class HFEngine:
                 raise ValueError(f"{name}: shape {tuple(t.shape)} != engine {tuple(self._params[name].shape)}")
         for name, t in items:
             self._params[name].copy_(t)
+
+    def close(self) -> None:
+        self.model = None
+        self._params = {}
