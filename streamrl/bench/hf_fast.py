@@ -1,0 +1,179 @@
+"""Fast transformers rollout vs plain ``model.generate()`` on the same model, prompts and lengths.
+
+Both paths sample (temperature 1, no truncation) ``batch`` responses of exactly
+``new_tokens`` tokens (EOS is disabled in both by an out-of-vocabulary id, so the lengths
+match) after random ``prompt_len``-token prompts, each after one warm-up run (the fast
+path's warm-up captures its CUDA graphs). ``ratio_vs_plain_generate`` is the tokens/s ratio.
+
+The bandwidth floor of one decode step is the bytes it must read: every weight but the
+input embedding (with ``batch * top_k`` routed tokens per layer almost every expert is hit)
+plus the K/V of the attended positions, at the device's memory bandwidth.
+
+Examples:
+    python -m streamrl.bench.hf_fast --json                                    # CPU, tiny MoE
+    python -m streamrl.bench.hf_fast --preset moe-1b --device cuda --json      # H200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+PRESETS = {
+    # The project's tiny random MoE (ModelConfig defaults): a CPU smoke figure.
+    "tiny": dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    # ~1.04 B total / ~211 M active (without the input embedding) Qwen3-MoE.
+    "moe-1b": dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                   num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
+                   moe_intermediate_size=192),
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_bench_model(preset: str, device: str, dtype: str, seed: int = 0):
+    """A random Qwen3-MoE of ``preset`` built directly on ``device`` in ``dtype``."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset = {preset!r}: must be one of {sorted(PRESETS)}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype = {dtype!r}: must be one of {sorted(_DTYPES)}")
+    p = PRESETS[preset]
+    cfg = Qwen3MoeConfig(**p, intermediate_size=p["moe_intermediate_size"], decoder_sparse_step=1,
+                         mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=4096,
+                         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(_DTYPES[dtype])
+    try:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = Qwen3MoeForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def param_counts(model) -> dict:
+    """Total parameters and active ones per token (top-k of E experts, input embedding excluded)."""
+    cfg = model.config
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    embed = model.model.embed_tokens.weight.numel()
+    active = total - embed - experts + experts * cfg.num_experts_per_tok // cfg.num_experts
+    return {"params_total": total, "params_active": active, "params_embedding": embed}
+
+
+def bandwidth_floor(model, batch: int, prompt_len: int, new_tokens: int, bytes_per_s: float) -> dict:
+    """Bytes one decode step must read (weights + mean attended K/V) and the implied tok/s bound."""
+    cfg = model.config
+    el = next(model.parameters()).element_size()
+    weights = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    hit = 1.0 - (1.0 - k / e) ** batch  # expected fraction of experts a step touches
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    w_bytes = (weights - experts + experts * hit) * el
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    mean_len = prompt_len + new_tokens / 2
+    kv_bytes = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * head_dim * mean_len * el
+    step_s = (w_bytes + kv_bytes) / bytes_per_s
+    return {"step_bytes_weights": int(w_bytes), "step_bytes_kv_mean": int(kv_bytes),
+            "floor_step_ms": step_s * 1e3, "floor_tok_s": batch / step_s}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str = "float32", batch: int = 16,
+                           prompt_len: int = 16, new_tokens: int = 32, seed: int = 0,
+                           bandwidth_tb_s: float = 4.8, skip_generate: bool = False) -> dict:
+    """Tokens/s of :class:`FastHFEngine` and of ``model.generate()`` side by side; returns figures."""
+    from streamrl.engines.hf_fast import FastHFEngine
+
+    for name, v in (("batch", batch), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
+        if v < 1:
+            raise ValueError(f"{name} = {v}: must be >= 1")
+    model = build_bench_model(preset, device, dtype, seed)
+    vocab = model.config.vocab_size
+    no_eos = vocab  # never drawn: both paths decode exactly new_tokens
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, vocab, (batch, prompt_len), generator=gen)
+    out = {"preset": preset, "device": device, "dtype": dtype, "batch": batch, "prompt_len": prompt_len,
+           "new_tokens": new_tokens, **param_counts(model)}
+    if device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name()
+
+    engine = FastHFEngine(model, None, device=device, batch_size=batch, max_seq_len=prompt_len + new_tokens,
+                          eos_token_id=no_eos)
+    plist = prompts.tolist()
+    t0 = time.perf_counter()
+    engine.generate(plist, new_tokens, 1.0)  # warm-up: captures the graphs
+    _sync(device)
+    out["fast_warmup_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res = engine.generate(plist, new_tokens, 1.0)
+    _sync(device)
+    dt = time.perf_counter() - t0
+    n_fast = sum(len(t) for t in res.tokens)
+    out.update(fast_tokens=n_fast, fast_s=dt, fast_tok_s=n_fast / dt, fast_step_ms=dt / new_tokens * 1e3,
+               graphs_captured=engine.captures)
+
+    if not skip_generate:
+        ids = prompts.to(device)
+        kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  pad_token_id=0, eos_token_id=no_eos)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=4, **kw)  # warm-up
+            _sync(device)
+            t0 = time.perf_counter()
+            seq = model.generate(ids, max_new_tokens=new_tokens, **kw)
+            _sync(device)
+        dt = time.perf_counter() - t0
+        n_gen = int((seq.shape[1] - prompt_len) * batch)
+        out.update(generate_tokens=n_gen, generate_s=dt, generate_tok_s=n_gen / dt,
+                   ratio_vs_plain_generate=out["fast_tok_s"] / (n_gen / dt))
+    if device.startswith("cuda"):
+        floor = bandwidth_floor(model, batch, prompt_len, new_tokens, bandwidth_tb_s * 1e12)
+        out.update(floor, bandwidth_tb_s=bandwidth_tb_s, gap_to_floor=floor["floor_tok_s"] / out["fast_tok_s"])
+    engine.close()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m streamrl.bench.hf_fast", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16 on cuda, else float32)")
+    p.add_argument("--batch", type=int, default=None, help="default 16 (tiny) / 256 (moe-1b)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 16 (tiny) / 128 (moe-1b)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 32 (tiny) / 256 (moe-1b)")
+    p.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the floor (H200: 4.8)")
+    p.add_argument("--skip-generate", action="store_true", help="time only the fast path")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    a = p.parse_args(argv)
+    big = a.preset == "moe-1b"
+    try:
+        res = bench_fast_vs_generate(
+            preset=a.preset, device=a.device, dtype=a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"),
+            batch=a.batch or (256 if big else 16), prompt_len=a.prompt_len or (128 if big else 16),
+            new_tokens=a.new_tokens or (256 if big else 32), seed=a.seed, bandwidth_tb_s=a.bandwidth_tb_s,
+            skip_generate=a.skip_generate)
+    except ValueError as e:
+        print(f"hf_fast bench: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

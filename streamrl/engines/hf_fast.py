@@ -1,0 +1,403 @@
+"""Fast path of the transformers engine: static KV cache, fixed-shape decode, CUDA graphs.
+
+``model.generate()`` spends almost all of a decode step in Python and kernel launches (about
+80 ms per step for a 24-layer MoE on an H200 that needs < 1 ms of memory traffic), grows its
+KV cache every step, and keeps finished rows in the batch. This engine keeps HF's modules
+(embeddings, rotary, decoder layers with their MoE experts, norm, head) but drives them
+with its own loop:
+
+* **Static KV cache** ``[B, Hkv, S, D]`` per layer, preallocated once. Each batch row (slot)
+  has its own position, so rows of different lengths decode together; a row's keys are
+  written at its position and the attention mask ``s <= pos[b]`` hides everything else,
+  including what an earlier sequence left in the slot. That is why a slot can be reused
+  without clearing, and why no KV survives a :meth:`generate` call (each call prefills its
+  prompts), so a weight update can never meet stale KV.
+* **Fixed-shape decode step** over all ``B`` slots (idle/finished slots compute and are
+  ignored), captured once per attended-span bucket in a CUDA graph. The graph reads the
+  parameters by address, so :meth:`load_weights` copies into the same storage and the next
+  replay uses the new weights without a re-capture.
+* **Continuous refill**: every ``sync_every`` steps the host reads the ``done`` flags (the only
+  host sync of the loop), harvests finished slots and prefills new prompts into them.
+* **Sampling on the device**: temperature (a device scalar, so no re-capture per call),
+  top-k/top-p, Gumbel-max draw (``probs / Exp(1)`` argmax, capturable) and the log-prob of
+  the drawn token under the distribution actually sampled from.
+* **Routing recording** by a router forward hook that scatters the top-k ids into a
+  preallocated ``[B, S, L, k]`` buffer at each row's position (device ops only, so it is
+  captured with the step).
+* MoE experts run through HF's ``grouped_mm`` implementation (capturable: histc, no sync).
+
+On CPU the same loop runs eagerly; greedy decoding gives the same tokens as ``generate()``.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from streamrl.engines.base import Generation
+
+_ATTN = "streamrl_static_kv"
+
+
+def _static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA over the static cache; query ``[B, Hq, q, D]``, key/value ``[B, Hkv, S, D]``,
+    attention_mask bool ``[B|1, 1, q, S]``; returns ``([B, q, Hq, D], None)`` like HF's kernels."""
+    b, hq, q, d = query.shape
+    groups = hq // key.shape[1]
+    if q == 1 and groups > 1:
+        # Decode: fold the query heads that share a KV head into the query axis, so the kernel
+        # reads each cached KV head once instead of a repeat_kv copy of the whole cache.
+        out = F.scaled_dot_product_attention(query.view(b, key.shape[1], groups, d), key, value,
+                                             attn_mask=attention_mask, scale=scaling)
+        out = out.view(b, hq, 1, d)
+    else:
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(_ATTN, _static_attention)
+
+
+class StaticKVCache:
+    """Per-layer K/V ``[B, Hkv, S, D]``; HF attention calls :meth:`update` with the new keys.
+
+    Prefill mode writes ``key [n, Hkv, P, D]`` for slots ``rows`` at positions ``0..P-1`` and
+    returns the prompt's own K/V. Decode mode writes ``key [B, Hkv, 1, D]`` at ``pos[b]`` and
+    returns the first ``span`` positions of the cache (fixed shape per captured graph).
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.rows: torch.Tensor | None = None
+        self.pos: torch.Tensor | None = None
+        self.span = max_len
+        self.prefill = False
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        if self.prefill:
+            p = key.shape[2]
+            k[self.rows, :, :p] = key
+            v[self.rows, :, :p] = value
+            return key, value
+        k[self.rows, :, self.pos] = key[:, :, 0]
+        v[self.rows, :, self.pos] = value[:, :, 0]
+        return k[:, :, : self.span], v[:, :, : self.span]
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: int = 0, top_p: float = 1.0):
+    """Draw one token per row on the device, no host sync.
+
+    logits: [n, V] float32; temperature: [1] device scalar, or None for greedy (argmax).
+    Returns ``(tokens [n] long, logprobs [n] float32)``: log-prob of each token under the
+    distribution it was drawn from (tempered, then top-k/top-p truncated and renormalised;
+    untempered softmax for greedy).
+    """
+    if temperature is None:
+        logp = F.log_softmax(logits, dim=-1)
+        tok = logits.argmax(dim=-1)
+    else:
+        z = logits / temperature
+        if top_k > 0:
+            kth = z.topk(top_k, dim=-1).values[:, -1:]
+            z = z.masked_fill(z < kth, float("-inf"))
+        if top_p < 1.0:
+            sz, si = z.sort(dim=-1, descending=True)
+            probs = sz.softmax(dim=-1)
+            drop = (probs.cumsum(dim=-1) - probs) > top_p  # mass before a token; the top one stays
+            z = torch.empty_like(z).scatter_(-1, si, sz.masked_fill(drop, float("-inf")))
+        logp = F.log_softmax(z, dim=-1)
+        # Gumbel-max in exponential form: argmax p / E, E ~ Exp(1), is a draw from p.
+        tok = (logp.exp() / torch.empty_like(logp).exponential_()).argmax(dim=-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _routers(model) -> list[torch.nn.Module]:
+    """MoE routers in layer order (transformers 5 top-k routers return ``(logits, weights, ids)``)."""
+    return [m for n, m in model.named_modules() if n.endswith("mlp.gate") and hasattr(m, "top_k")]
+
+
+class FastHFEngine:
+    """Drop-in for :class:`streamrl.engines.hf.HFEngine` with a static-cache, graph-captured decode.
+
+    Args:
+        model: a transformers causal LM with ``model.model.{embed_tokens, rotary_emb, layers, norm}``
+            and ``lm_head`` (Llama/Qwen/Mixtral/Qwen-MoE layouts).
+        batch_size: decode slots ``B`` (fixed shape of every step).
+        max_seq_len: cache length ``S``; prompt + response must fit (default: the model's
+            ``max_position_embeddings``, capped at 4096).
+        top_k / top_p: truncation of the sampling distribution (0 / 1.0 = off).
+        cuda_graphs: capture the decode step (default: on for CUDA devices).
+        span_bucket: attended cache span is rounded up to a multiple of this (one graph each).
+        sync_every: decode steps between reads of the ``done`` flags (refill granularity).
+        experts_implementation: ``config._experts_implementation`` used inside this engine.
+    """
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer=None, device: str = "cpu", batch_size: int = 64,
+                 max_seq_len: int | None = None, top_k: int = 0, top_p: float = 1.0,
+                 record_routing: bool = False, cuda_graphs: bool | None = None, span_bucket: int = 128,
+                 sync_every: int = 8, experts_implementation: str | None = "grouped_mm",
+                 eos_token_id: int | None = None):
+        for field, value, ok in (("batch_size", batch_size, batch_size > 0), ("top_k", top_k, top_k >= 0),
+                                 ("top_p", top_p, 0.0 < top_p <= 1.0), ("span_bucket", span_bucket, span_bucket > 0),
+                                 ("sync_every", sync_every, sync_every > 0)):
+            if not ok:
+                raise ValueError(f"{field} = {value!r} is out of range")
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        cfg = model.config
+        self.eos_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+        if self.eos_id is None:
+            self.eos_id = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else -1
+        self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+        base = model.model
+        self.embed, self.rotary, self.layers, self.norm = base.embed_tokens, base.rotary_emb, base.layers, base.norm
+        self.lm_head = model.lm_head
+        self.batch, self.top_k, self.top_p = batch_size, top_k, top_p
+        self.max_len = max_seq_len or min(getattr(cfg, "max_position_embeddings", 4096), 4096)
+        self.span_bucket, self.sync_every = span_bucket, sync_every
+        self.graphs_on = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self.experts_impl = experts_implementation
+        self._params = dict(model.named_parameters())
+        dtype = next(model.parameters()).dtype
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dev, b, s = self.device, batch_size, self.max_len
+        self.cache = StaticKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev)
+        # Slot state, read and written in place by the captured step.
+        self.tok = torch.zeros(b, dtype=torch.long, device=dev)      # last drawn token (fed next)
+        self.pos = torch.zeros(b, dtype=torch.long, device=dev)      # its position
+        self.gen = torch.zeros(b, dtype=torch.long, device=dev)      # tokens drawn so far
+        self.done = torch.ones(b, dtype=torch.bool, device=dev)
+        self.temp = torch.ones(1, dtype=torch.float32, device=dev)
+        self.max_new = torch.ones(1, dtype=torch.long, device=dev)
+        self.out_tok = torch.zeros(b, s + 1, dtype=torch.long, device=dev)  # column s: trash for idle rows
+        self.out_lp = torch.zeros(b, s + 1, dtype=torch.float32, device=dev)
+        self.rows = torch.arange(b, device=dev)
+        self.positions = torch.arange(s, device=dev)
+        self.routers = _routers(model) if record_routing else []
+        self.route_hist = None
+        if self.routers:
+            k = self.routers[0].top_k
+            self.route_hist = torch.zeros(b, s, len(self.routers), k, dtype=torch.int16, device=dev)
+            for i, r in enumerate(self.routers):
+                r.register_forward_hook(self._route_hook(i))
+        self._route_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, positions) of the tokens
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.captures = 0
+        self._pool = None
+
+    # ----------------------------------------------------------------------------- internals
+    def _route_hook(self, layer: int):
+        def hook(module, args, output):
+            if self._route_at is not None:
+                rows, positions = self._route_at
+                self.route_hist[rows, positions, layer] = output[2].to(torch.int16)
+        return hook
+
+    @contextlib.contextmanager
+    def _impl(self):
+        """Switch the model to the static-cache attention (and grouped experts) inside the engine only."""
+        cfg = self.model.config
+        old_attn, old_exp = cfg._attn_implementation, getattr(cfg, "_experts_implementation", None)
+        cfg._attn_implementation = _ATTN
+        if self.experts_impl is not None and old_exp is not None:
+            cfg._experts_implementation = self.experts_impl
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = old_attn
+            if self.experts_impl is not None and old_exp is not None:
+                cfg._experts_implementation = old_exp
+
+    def _layers(self, x, mask, pos_ids):
+        cos_sin = self.rotary(x, pos_ids)
+        for layer in self.layers:
+            x = layer(x, attention_mask=mask, position_ids=pos_ids, past_key_values=self.cache,
+                      position_embeddings=cos_sin, use_cache=True)
+            x = x[0] if isinstance(x, tuple) else x
+        return x
+
+    def _prefill(self, slots: list[int], prompts: list[list[int]], greedy: bool) -> None:
+        """Prompts into ``slots``: K/V at positions ``0..P-1``, first token drawn (eager, variable shape)."""
+        n, p = len(slots), max(len(q) for q in prompts)
+        ids = torch.full((n, p), self.pad_id, dtype=torch.long)
+        for i, q in enumerate(prompts):  # right padding: each row starts at position 0
+            ids[i, : len(q)] = torch.tensor(q)
+        ids = ids.to(self.device)
+        lens = torch.tensor([len(q) for q in prompts], device=self.device)
+        rows = torch.tensor(slots, device=self.device)
+        pos_ids = self.positions[:p].expand(n, p)
+        causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None, None]
+        self.cache.prefill, self.cache.rows = True, rows
+        if self.routers:
+            self._route_at = (rows.repeat_interleave(p), self.positions[:p].repeat(n))
+        try:
+            x = self._layers(self.embed(ids), causal, pos_ids)
+        finally:
+            self.cache.prefill, self._route_at = False, None
+        logits = self.lm_head(self.norm(x[torch.arange(n, device=self.device), lens - 1])).float()
+        tok, lp = sample_tokens(logits, None if greedy else self.temp, self.top_k, self.top_p)
+        self.out_tok[rows, 0], self.out_lp[rows, 0] = tok, lp
+        self.tok[rows], self.pos[rows] = tok, lens
+        self.gen[rows] = 1
+        self.done[rows] = (tok == self.eos_id) | (self.max_new <= 1)
+
+    def _decode(self, span: int, greedy: bool) -> None:
+        """One step for all ``B`` slots; device ops on persistent buffers only (captured as is)."""
+        self.cache.rows, self.cache.pos, self.cache.span = self.rows, self.pos, span
+        if self.routers:
+            self._route_at = (self.rows, self.pos)
+        pos_ids = self.pos[:, None]
+        mask = (self.positions[:span][None, :] <= pos_ids)[:, None, None, :]  # [B, 1, 1, span]
+        x = self._layers(self.embed(self.tok[:, None]), mask, pos_ids)
+        self._route_at = None
+        logits = self.lm_head(self.norm(x[:, -1])).float()
+        tok, lp = sample_tokens(logits, None if greedy else self.temp, self.top_k, self.top_p)
+        active = ~self.done
+        col = torch.where(active, self.gen, self.max_len)
+        self.out_tok[self.rows, col] = tok
+        self.out_lp[self.rows, col] = lp
+        step = active.long()
+        self.gen.add_(step)
+        self.pos.add_(step)
+        self.tok.copy_(torch.where(active, tok, self.tok))
+        self.done.logical_or_(active & ((tok == self.eos_id) | (self.gen >= self.max_new)))
+
+    def _step(self, span: int, greedy: bool) -> None:
+        if not self.graphs_on:
+            self._decode(span, greedy)
+            return
+        key = (span, greedy)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(span, greedy)
+        self.graphs[key].replay()
+
+    def _capture(self, span: int, greedy: bool) -> torch.cuda.CUDAGraph:
+        """Warm up on a side stream (state saved and restored), then capture one decode step."""
+        state = [self.tok, self.pos, self.gen, self.done, self.out_tok, self.out_lp]
+        saved = [t.clone() for t in state]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._decode(span, greedy)
+        torch.cuda.current_stream().wait_stream(side)
+        for t, v in zip(state, saved):
+            t.copy_(v)
+        graph = torch.cuda.CUDAGraph()
+        # One pool for all graphs: no graph output outlives its replay (all writes go to the
+        # persistent buffers above), so the graphs can share intermediates in any order.
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._decode(span, greedy)
+        self._pool = graph.pool()
+        self.captures += 1
+        return graph
+
+    # ----------------------------------------------------------------------------- interface
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0) -> Generation:
+        """Sample one response per prompt; ``temperature == 0`` is greedy. Slots refill as rows finish."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
+        if temperature < 0:
+            raise ValueError(f"temperature = {temperature}: must be >= 0 (0 = greedy)")
+        for i, q in enumerate(prompts):
+            if not q or len(q) + max_new_tokens > self.max_len:
+                raise ValueError(f"prompts[{i}]: length {len(q)} + max_new_tokens {max_new_tokens} "
+                                 f"must be in [1, max_seq_len={self.max_len}]")
+        greedy = temperature == 0
+        self.temp.fill_(1.0 if greedy else float(temperature))
+        self.max_new.fill_(max_new_tokens)
+        self.done.fill_(True)
+        queue = deque(range(len(prompts)))
+        owner = [-1] * self.batch            # prompt index held by each slot
+        host_pos = [0] * self.batch          # upper bound of each slot's position
+        host_gen = [0] * self.batch
+        out_t: list = [None] * len(prompts)
+        out_l: list = [None] * len(prompts)
+        out_r: list = [None] * len(prompts)
+
+        def fill(free: list[int]) -> None:
+            take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+            for i in range(0, len(take), self.batch):
+                chunk = take[i:i + self.batch]
+                slots = free[i:i + len(chunk)]
+                self._prefill(slots, [prompts[j] for j in chunk], greedy)
+                for s, j in zip(slots, chunk):
+                    owner[s], host_pos[s], host_gen[s] = j, len(prompts[j]), 1
+
+        def harvest(slots: list[int]) -> None:
+            idx = torch.tensor(slots, device=self.device)
+            n = self.gen[idx].cpu().tolist()
+            toks, lps = self.out_tok[idx].cpu(), self.out_lp[idx].cpu()
+            hist = self.route_hist[idx].cpu() if self.route_hist is not None else None
+            for r, s in enumerate(slots):
+                j = owner[s]
+                out_t[j], out_l[j] = toks[r, : n[r]].tolist(), lps[r, : n[r]].tolist()
+                if hist is not None:  # position P-1+t predicted response token t
+                    p0 = len(prompts[j]) - 1
+                    out_r[j] = hist[r, p0: p0 + n[r]].clone()
+                owner[s] = -1
+
+        with self._impl():
+            fill(list(range(self.batch)))
+            steps = 0
+            while any(o >= 0 for o in owner):
+                live = [s for s in range(self.batch) if owner[s] >= 0 and host_gen[s] < max_new_tokens]
+                if live:
+                    top = max(host_pos[s] for s in live) + 1
+                    span = min(-(-top // self.span_bucket) * self.span_bucket, self.max_len)
+                    self._step(span, greedy)
+                    steps += 1
+                    for s in live:
+                        host_pos[s] += 1
+                        host_gen[s] += 1
+                if not live or steps % self.sync_every == 0 or all(host_gen[s] >= max_new_tokens for s in live):
+                    done = self.done.cpu().tolist()  # the loop's one host sync, every sync_every steps
+                    finished = [s for s in range(self.batch) if owner[s] >= 0 and done[s]]
+                    if finished:
+                        harvest(finished)
+                        fill(finished)
+        return Generation(tokens=out_t, logprobs=out_l, routed_experts=out_r if self.routers else None)
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
+        """Teacher-forced log-probs (temperature 1) of ``seq[start:]``; a plain eager forward."""
+        b, width = len(sequences), max(len(s) for s in sequences)
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((b, width), dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, : len(s)], attn[i, : len(s)] = torch.tensor(s), 1
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False).logits
+        lp = F.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None].to(self.device)).squeeze(-1).cpu()
+        return [lp[i, st - 1: len(s) - 1].tolist() for i, (s, st) in enumerate(zip(sequences, start))]
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy into the existing parameter storage (captured graphs see it), all or nothing."""
+        items = list(named_tensors)
+        names = {n for n, _ in items}
+        unknown, missing = names - set(self._params), set(self._params) - names
+        if unknown or missing:
+            raise KeyError(f"weights update mismatch: unknown {sorted(unknown)[:3]}, missing {sorted(missing)[:3]}")
+        for name, t in items:
+            if tuple(t.shape) != tuple(self._params[name].shape):
+                raise ValueError(f"{name}: shape {tuple(t.shape)} != engine {tuple(self._params[name].shape)}")
+        for name, t in items:
+            self._params[name].copy_(t)
+
+    def close(self) -> None:
+        self.graphs.clear()
+        self.cache = None
+        self.model = None
+        self._params = {}

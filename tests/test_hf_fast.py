@@ -1,0 +1,192 @@
+"""Fast transformers engine: parity with generate(), log-probs, refill, routing, in-place weight updates."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from streamrl.config import ModelConfig
+from streamrl.engines.hf_fast import FastHFEngine, sample_tokens
+from streamrl.models import build_model
+
+MAX_NEW = 10
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 12) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(3, 60, (k,), generator=g).tolist() for k in lens]
+
+
+def _reference(model, tok, prompt: list[int], max_new: int, eos: int | None = None):
+    """Greedy tokens (cut after EOS) and their untempered log-probs from plain generate(), batch 1."""
+    eos = tok.eos_token_id if eos is None else eos
+    out = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=max_new,
+                         eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                         output_logits=True, return_dict_in_generate=True)
+    seq = out.sequences[0, len(prompt):].tolist()
+    n = seq.index(eos) + 1 if eos in seq else len(seq)
+    logits = torch.stack(out.logits, 1)[0, :n].float()
+    lp = F.log_softmax(logits, -1).gather(-1, torch.tensor(seq[:n], device=logits.device)[:, None]).squeeze(-1)
+    return seq[:n], lp.cpu()
+
+
+def _teacher_forced_logits(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """Logits ``[len(response), V]`` of the positions that predicted each response token."""
+    ids = torch.tensor([prompt + response], device=model.device)
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    return logits[len(prompt) - 1: len(prompt) - 1 + len(response)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = build_model(ModelConfig(), seed=1)
+    return model.eval(), tok
+
+
+def test_greedy_equals_generate_with_refill(tiny):
+    """7 prompts through 3 slots: rows finish at different steps and slots are refilled."""
+    model, tok = tiny
+    prompts = _prompts(7)
+    # The random model rarely draws its EOS: stop on a token one greedy response draws
+    # mid-way instead, so rows finish at different steps.
+    eos = _reference(model, tok, prompts[0], MAX_NEW)[0][MAX_NEW // 2]
+    eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, sync_every=3, eos_token_id=eos)
+    got = eng.generate(prompts, MAX_NEW, temperature=0.0)
+    lengths = set()
+    for i, p in enumerate(prompts):
+        ref_tok, ref_lp = _reference(model, tok, p, MAX_NEW, eos)
+        assert got.tokens[i] == ref_tok, i
+        torch.testing.assert_close(torch.tensor(got.logprobs[i]), ref_lp, atol=1e-5, rtol=0)
+        lengths.add(len(ref_tok))
+    assert len(lengths) > 1  # some rows stopped at EOS early, so refill really happened mid-run
+
+
+def test_sampled_logprobs_match_teacher_forced(tiny):
+    """Temperature and top-k: each log-prob is that of the truncated, tempered distribution."""
+    model, tok = tiny
+    prompts = _prompts(4, seed=1)
+    for top_k, temp in ((0, 0.7), (5, 1.3)):
+        torch.manual_seed(0)
+        eng = FastHFEngine(model, tok, batch_size=4, max_seq_len=32, top_k=top_k)
+        got = eng.generate(prompts, MAX_NEW, temperature=temp)
+        for p, resp, lp in zip(prompts, got.tokens, got.logprobs):
+            z = _teacher_forced_logits(model, p, resp) / temp
+            if top_k:
+                z = z.masked_fill(z < z.topk(top_k, -1).values[:, -1:], float("-inf"))
+            ref = F.log_softmax(z, -1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
+            assert torch.isfinite(ref).all()  # every drawn token is inside the top-k set
+            torch.testing.assert_close(torch.tensor(lp), ref, atol=1e-5, rtol=0)
+
+
+def test_sampler_top_p_and_distribution():
+    """Top-p keeps the smallest prefix with mass >= p; draws follow the renormalised distribution."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
+    tok, lp = sample_tokens(logits, torch.ones(1), top_p=0.8)
+    freq = torch.bincount(tok, minlength=4).float() / len(tok)
+    assert freq[2:].sum() == 0  # 0.5 + 0.3 reaches 0.8: the tail is cut
+    torch.testing.assert_close(freq[:2], torch.tensor([0.625, 0.375]), atol=0.02, rtol=0)
+    torch.testing.assert_close(lp[tok == 0][0], torch.tensor(0.625).log())
+
+
+def test_routing_recorded_per_token(tiny):
+    model, tok = tiny
+    prompts = _prompts(3, seed=2)
+    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=32, record_routing=True)
+    got = eng.generate(prompts, MAX_NEW, temperature=1.0)
+    seen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, a, o: seen.append(o[2])) for r in eng.routers]
+    try:
+        for p, resp, routed in zip(prompts, got.tokens, got.routed_experts):
+            seen.clear()
+            _teacher_forced_logits(model, p, resp)
+            ref = torch.stack(seen, 1)[len(p) - 1: len(p) - 1 + len(resp)]  # [n, L, k]
+            assert routed.shape == ref.shape and routed.dtype == torch.int16
+            assert torch.equal(routed.long().sort(-1).values, ref.sort(-1).values)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_weight_update_in_place_and_no_stale_kv(tiny):
+    """Copy new weights into the same storage; the next call uses them and no KV of the old ones."""
+    _, tok = tiny
+    model_a, _ = build_model(ModelConfig(), seed=1)
+    model_b, _ = build_model(ModelConfig(), seed=2)
+    eng = FastHFEngine(model_a, tok, batch_size=3, max_seq_len=40)
+    ptrs = {n: p.data_ptr() for n, p in eng.model.named_parameters()}
+    long_prompts = _prompts(3, seed=3, lo=20, hi=28)   # fill many cache positions with A's K/V
+    short_prompts = _prompts(3, seed=4, lo=3, hi=6)
+    before = eng.generate(long_prompts, MAX_NEW, temperature=0.0)
+    eng.load_weights(model_b.named_parameters())
+    after = eng.generate(short_prompts, MAX_NEW, temperature=0.0)
+    assert {n: p.data_ptr() for n, p in eng.model.named_parameters()} == ptrs
+    fresh = FastHFEngine(model_b, tok, batch_size=3, max_seq_len=40).generate(short_prompts, MAX_NEW, 0.0)
+    assert after.tokens == fresh.tokens
+    torch.testing.assert_close(torch.tensor(sum(after.logprobs, [])), torch.tensor(sum(fresh.logprobs, [])),
+                               atol=1e-6, rtol=0)
+    for p, t in zip(short_prompts, after.tokens):
+        assert t == _reference(model_b, tok, p, MAX_NEW)[0]
+    assert before.tokens != eng.generate(long_prompts, MAX_NEW, 0.0).tokens  # the update changed the policy
+
+
+def test_bad_updates_and_inputs_raise_without_side_effects(tiny):
+    model, tok = tiny
+    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=16)
+    snapshot = {n: p.clone() for n, p in eng.model.named_parameters()}
+    items = [(n, torch.zeros_like(p)) for n, p in eng.model.named_parameters()]
+    with pytest.raises(KeyError):
+        eng.load_weights(items[:-1])
+    bad = list(items)
+    bad[-1] = (bad[-1][0], torch.zeros(3))
+    with pytest.raises(ValueError, match="shape"):
+        eng.load_weights(bad)
+    for n, p in eng.model.named_parameters():
+        assert torch.equal(p, snapshot[n]), n
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.generate([[5] * 10], 10, 1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        eng.generate([[5]], 2, -1.0)
+    with pytest.raises(ValueError, match="batch_size"):
+        FastHFEngine(model, tok, batch_size=0)
+
+
+def test_bench_reports_ratio():
+    from streamrl.bench.hf_fast import bench_fast_vs_generate
+
+    res = bench_fast_vs_generate(batch=4, prompt_len=6, new_tokens=8)
+    assert res["fast_tokens"] == res["generate_tokens"] == 4 * 8
+    assert res["ratio_vs_plain_generate"] > 0 and res["params_active"] < res["params_total"]
+
+
+# ------------------------------------------------------------------------------------ GPU
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_graphs_parity_and_update_without_recapture():
+    model_a, tok = build_model(ModelConfig(), seed=1)
+    model_b, _ = build_model(ModelConfig(), seed=2)
+    model_b = model_b.cuda()
+    eng = FastHFEngine(model_a, tok, device="cuda", batch_size=3, max_seq_len=40, span_bucket=16,
+                       record_routing=True)
+    prompts = _prompts(7)
+    got = eng.generate(prompts, MAX_NEW, temperature=0.0)
+    assert eng.captures > 0
+    for i, p in enumerate(prompts):
+        ref_tok, ref_lp = _reference(eng.model, tok, p, MAX_NEW)
+        assert got.tokens[i] == ref_tok, i
+        torch.testing.assert_close(torch.tensor(got.logprobs[i]), ref_lp, atol=1e-4, rtol=0)
+    captures = eng.captures
+    eng.load_weights(model_b.named_parameters())
+    after = eng.generate(prompts, MAX_NEW, temperature=0.0)
+    assert eng.captures == captures  # same graphs, new weights
+    for i, p in enumerate(prompts):
+        assert after.tokens[i] == _reference(model_b, tok, p, MAX_NEW)[0], i
+    sampled = eng.generate(prompts, MAX_NEW, temperature=0.8)
+    for p, resp, lp in zip(prompts, sampled.tokens, sampled.logprobs):
+        ref = F.log_softmax(_teacher_forced_logits(model_b, p, resp) / 0.8, -1)
+        ref = ref.gather(-1, torch.tensor(resp, device="cuda")[:, None]).squeeze(-1).cpu()
+        torch.testing.assert_close(torch.tensor(lp), ref, atol=1e-4, rtol=0)
