@@ -1,0 +1,277 @@
+"""Turn a run's metric history and state into one JSON-able snapshot with rates.
+
+Pure computation (no Redis): the input is ``history[process]`` — metric dicts in time order,
+each with a ``time`` (unix s) as written by :meth:`Coordinator.put_metrics` — and a
+:class:`~streamrl.monitor.source.State`. Rates come from cumulative counters
+(``learner/samples``, ``learner/trained_tokens_total``, ``rollout/generated_tokens``, …) as
+Δcount / Δtime over the last ``window_s``; a counter that goes down (a restarted worker)
+counts from zero again. Learner-side numbers use exactly the points named in
+``window``, so they can be checked against ``metrics.jsonl``.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+LAYER_RE = re.compile(r"^moe/router_entropy/layer(\d+)$")
+HIST_PREFIX = "learner/staleness_hist/"
+
+
+@dataclass
+class Thresholds:
+    """MoE health limits: router entropy is normalised by log E (1 = uniform routing);
+    expert-usage std is in units of the mean load (0 = balanced). Below/above → warn/bad."""
+
+    entropy_warn: float = 0.5
+    entropy_bad: float = 0.25
+    usage_std_warn: float = 0.5
+    usage_std_bad: float = 1.0
+    stale_heartbeat_s: float = 3.0
+
+
+def level(value: float | None, warn: float, bad: float, higher_is_worse: bool) -> str:
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    if higher_is_worse:
+        return "bad" if value > bad else "warn" if value > warn else "ok"
+    return "bad" if value < bad else "warn" if value < warn else "ok"
+
+
+def increments(entries: Iterable[dict[str, float]], key: str) -> list[tuple[float, float]]:
+    """[(time, Δcount)] between consecutive entries that carry ``key``; resets count from 0."""
+    out, prev = [], None
+    for e in entries:
+        if key not in e or "time" not in e:
+            continue
+        v = e[key]
+        if prev is not None:
+            out.append((e["time"], v - prev if v >= prev else v))
+        prev = v
+    return out
+
+
+def counter_rate(entries: list[dict[str, float]], key: str, t_lo: float, t_hi: float) -> dict | None:
+    """Rate of cumulative ``key`` over the entries in [t_lo, t_hi]: {rate, t0, t1, count}."""
+    pts = [e for e in entries if key in e and t_lo <= e.get("time", -1.0) <= t_hi]
+    if len(pts) < 2 or pts[-1]["time"] <= pts[0]["time"]:
+        return None
+    total = sum(d for _, d in increments(pts, key))
+    dt = pts[-1]["time"] - pts[0]["time"]
+    return {"rate": total / dt, "t0": pts[0]["time"], "t1": pts[-1]["time"], "count": total}
+
+
+def _mean(vals: list[float]) -> float | None:
+    vals = [v for v in vals if v is not None and math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _first(*vals):
+    return next((v for v in vals if v is not None), None)
+
+
+def _window_mean(entries, key, t_lo, t_hi) -> float | None:
+    return _mean([e[key] for e in entries if key in e and t_lo <= e.get("time", -1.0) <= t_hi])
+
+
+@dataclass
+class SnapshotBuilder:
+    """Builds snapshots; remembers each worker's last seen incarnation between calls."""
+
+    window_s: float = 10.0
+    spark_bins: int = 30
+    spark_bin_s: float = 2.0
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    _seen_incarnation: dict[int, int] = field(default_factory=dict)
+
+    def build(self, run_id: str, history: dict[str, list[dict[str, float]]], state,
+              now: float | None = None) -> dict[str, Any]:
+        now = state.time if now is None else now
+        learner = list(history.get("learner", []))
+        latest_l = state.latest.get("learner") or (learner[-1] if learner else {})
+        workers = {p: list(h) for p, h in history.items() if p.startswith("rollout-")}
+        ended = state.stop is not None
+        # A finished run: rates over its last window of activity, not over silence.
+        t_hi = max([e["time"] for h in history.values() for e in h[-1:]], default=now) if ended else now
+        t_lo = t_hi - self.window_s
+
+        samples = counter_rate(learner, "learner/samples", t_lo, t_hi)
+        trained_tok = counter_rate(learner, "learner/trained_tokens_total", t_lo, t_hi)
+        steps = counter_rate(learner, "learner/step", t_lo, t_hi)
+        gen_traj = [counter_rate(h, "rollout/trajectories", t_lo, t_hi) for h in workers.values()]
+        gen_tok = [counter_rate(h, "rollout/generated_tokens", t_lo, t_hi) for h in workers.values()]
+        recv = counter_rate(learner, "transport/trajectories", t_lo, t_hi)
+
+        def total(rates):
+            got = [r["rate"] for r in rates if r]
+            return sum(got) if got else None
+
+        kl_key = "learner/mismatch_kl" if "learner/mismatch_kl" in latest_l else "learner/behaviour_logprob_abs_diff"
+        totals = {
+            "trajectories_per_s": total(gen_traj),
+            "trained_trajectories_per_s": samples["rate"] if samples else None,
+            "received_trajectories_per_s": recv["rate"] if recv else None,
+            "generated_tokens_per_s": total(gen_tok),
+            "trained_tokens_per_s": trained_tok["rate"] if trained_tok else None,
+            "learner_steps_per_s": steps["rate"] if steps else None,
+            "learner_step_s": _first(_window_mean(learner, "learner/step_s", t_lo, t_hi), latest_l.get("learner/step_s")),
+            "learner_idle_frac": _first(_window_mean(learner, "learner/idle_frac", t_lo, t_hi),
+                                        latest_l.get("learner/idle_frac")),
+            "queue_depth": latest_l.get("learner/buffer_trajectories"),
+            "version": state.version,
+            "learner_step": latest_l.get("learner/step"),
+            "samples": latest_l.get("learner/samples"),
+            "reward_mean": _first(_window_mean(learner, "learner/reward_mean", t_lo, t_hi),
+                                  latest_l.get("learner/reward_mean")),
+            "rollout_reward_mean": _mean([state.latest.get(p, {}).get("rollout/reward_mean") for p in workers]),
+            "mismatch_kl": latest_l.get(kl_key),
+            "mismatch_key": kl_key,
+        }
+        return {
+            "run_id": run_id,
+            "time": now,
+            "status": f"ended: {state.stop}" if ended else ("running" if learner else "waiting for data"),
+            "window_s": self.window_s,
+            "window": {"learner": [samples["t0"], samples["t1"]] if samples else None},
+            "totals": totals,
+            "staleness": self._staleness(learner, latest_l),
+            "weights": self._weights(latest_l, state, workers),
+            "moe": self._moe(latest_l),
+            "workers": self._workers(state, workers, now, t_lo, t_hi),
+            "transport": {k: v for k, v in latest_l.items() if k.startswith("transport/")},
+            "history": self._history(learner, workers, t_hi),
+        }
+
+    def _staleness(self, learner, latest) -> dict[str, Any]:
+        hist = {k[len(HIST_PREFIX):]: v for k, v in latest.items() if k.startswith(HIST_PREFIX)}
+        source = "learner"
+        if not hist:  # older learners: per-step mean lag as sampled (approximate)
+            source = "sampled staleness_mean"
+            for e in learner:
+                if "learner/staleness_mean" in e:
+                    lag = str(int(round(e["learner/staleness_mean"])))
+                    hist[lag] = hist.get(lag, 0) + 1
+        hist = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+        dropped = latest.get("learner/samples_dropped_stale", 0.0)
+        samples = latest.get("learner/samples", 0.0)
+        return {"histogram": hist, "histogram_source": source, "mean": latest.get("learner/staleness_mean"),
+                "dropped_stale": dropped,
+                "dropped_frac": dropped / (dropped + samples) if dropped + samples > 0 else 0.0}
+
+    def _weights(self, latest, state, workers) -> dict[str, Any]:
+        """Learner side: gather (full tensors from shards) and write into the data plane.
+        Worker side (slowest worker's last fetch): transfer, verify, load into the engine."""
+        nbytes = latest.get("weights/bytes")
+        slowest: dict[str, float] = {}
+        for t in state.weight_timings.values():
+            if t.get("weights/transfer_s", 0.0) + t.get("weights/load_s", 0.0) >= \
+                    slowest.get("weights/transfer_s", 0.0) + slowest.get("weights/load_s", 0.0):
+                slowest = t
+        load_s = slowest.get("weights/load_s")
+        if load_s is None:  # workers without stage timings: their combined fetch+load time
+            for h in workers.values():  # newest non-zero load (0 means "nothing new this batch")
+                for e in reversed(h):
+                    if e.get("rollout/weights_load_s", 0.0) > 0:
+                        load_s = max(load_s or 0.0, e["rollout/weights_load_s"])
+                        break
+        write_s = latest.get("weights/write_s")
+        transfer_s = slowest.get("weights/transfer_s")
+
+        def gbps(s):
+            return nbytes / s / 1e9 if nbytes and s else None
+        return {"version": state.version, "bytes": nbytes, "gather_s": latest.get("weights/gather_s"),
+                "write_s": write_s, "publish_s": latest.get("weights/publish_s"),
+                "transfer_s": transfer_s, "verify_s": slowest.get("weights/verify_s"), "load_s": load_s,
+                "worker_version": slowest.get("weights/version"),
+                "write_gbps": gbps(write_s), "transfer_gbps": gbps(transfer_s), "load_gbps": gbps(load_s)}
+
+    def _moe(self, latest) -> dict[str, Any]:
+        th = self.thresholds
+        layers = []
+        for k in latest:
+            m = LAYER_RE.match(k)
+            if m:
+                i = int(m.group(1))
+                ent = latest[k]
+                std = latest.get(f"moe/expert_usage_std/layer{i}")
+                layers.append({"layer": i, "router_entropy": ent, "expert_usage_std": std,
+                               "entropy_level": level(ent, th.entropy_warn, th.entropy_bad, False),
+                               "usage_level": level(std, th.usage_std_warn, th.usage_std_bad, True)})
+        layers.sort(key=lambda d: d["layer"])
+        return {"layers": layers, "aux_loss": latest.get("moe/aux_loss"),
+                "router_entropy": latest.get("moe/router_entropy"),
+                "expert_usage_std": latest.get("moe/expert_usage_std"),
+                "thresholds": {"entropy_warn": th.entropy_warn, "entropy_bad": th.entropy_bad,
+                               "usage_std_warn": th.usage_std_warn, "usage_std_bad": th.usage_std_bad}}
+
+    def _workers(self, state, workers, now, t_lo, t_hi) -> list[dict[str, Any]]:
+        rows = []
+        for wid in sorted(set(state.heartbeats) | {int(p.split("-", 1)[1]) for p in workers if p[8:].isdigit()}):
+            hb = state.heartbeats.get(wid)
+            inc = state.incarnations.get(wid, 0)
+            h = workers.get(f"rollout-{wid}", [])
+            rate = counter_rate(h, "rollout/generated_tokens", t_lo, t_hi)
+            latest = state.latest.get(f"rollout-{wid}", {})
+            if hb is not None:
+                self._seen_incarnation[wid] = int(hb.get("incarnation", inc))
+            seen = self._seen_incarnation.get(wid, inc)
+            if inc > seen:
+                status = "restarting"  # a new process registered and has not heartbeated yet
+            elif hb is None:
+                status = "exited" if state.stop is not None else "dead"
+            elif now - hb.get("time", 0.0) > self.thresholds.stale_heartbeat_s:
+                status = "stale"
+            else:
+                status = "alive"
+            version = hb.get("version") if hb else latest.get("rollout/version")
+            rows.append({
+                "id": wid, "host": hb.get("host") if hb else None, "device": hb.get("device") if hb else None,
+                "pid": hb.get("pid") if hb else None, "state": hb.get("state") if hb else None,
+                "version": version,
+                "lag": state.version - version if version is not None and state.version >= 0 else None,
+                "tokens_per_s": rate["rate"] if rate else (latest.get("rollout/tokens_per_s") if status == "alive" else 0.0),
+                "heartbeat_age_s": now - hb["time"] if hb and "time" in hb else None,
+                "status": status, "incarnation": inc, "restarts": max(inc - 1, 0),
+            })
+        return rows
+
+    def _history(self, learner, workers, t_hi) -> dict[str, list[float | None]]:
+        """Sparkline series: ``spark_bins`` bins of ``spark_bin_s`` ending at ``t_hi``."""
+        n, w = self.spark_bins, self.spark_bin_s
+        start = t_hi - n * w
+
+        def binned_rate(pairs):
+            out = [0.0] * n
+            for t, d in pairs:
+                i = int((t - start) // w)
+                if 0 <= i < n:
+                    out[i] += d / w
+            return out
+
+        def binned_mean(entries, key):
+            acc = [[] for _ in range(n)]
+            for e in entries:
+                i = int((e.get("time", 0.0) - start) // w)
+                if key in e and 0 <= i < n:
+                    acc[i].append(e[key])
+            return [_mean(a) for a in acc]
+
+        gen_tok = [p for h in workers.values() for p in increments(h, "rollout/generated_tokens")]
+        gen_traj = [p for h in workers.values() for p in increments(h, "rollout/trajectories")]
+        return {
+            "bin_s": w,
+            "generated_tokens_per_s": binned_rate(gen_tok),
+            "trajectories_per_s": binned_rate(gen_traj),
+            "trained_tokens_per_s": binned_rate(increments(learner, "learner/trained_tokens_total")),
+            "trained_trajectories_per_s": binned_rate(increments(learner, "learner/samples")),
+            "reward_mean": binned_mean(learner, "learner/reward_mean"),
+            "learner_step_s": binned_mean(learner, "learner/step_s"),
+        }
+
+
+def empty_state(now: float | None = None):
+    """A State with nothing in it (for tests and for rendering before the first read)."""
+    from streamrl.monitor.source import State  # noqa: PLC0415
+    return State(time=now or time.time(), version=-1, stop=None, heartbeats={}, incarnations={})

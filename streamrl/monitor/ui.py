@@ -1,0 +1,197 @@
+"""Render a monitor snapshot (see :mod:`streamrl.monitor.snapshot`) with rich.
+
+Plain box characters and no mouse or alternate-screen tricks, so it works over SSH and in
+tmux; everything fits in ~120 columns. :func:`render` is pure: the same snapshot always
+draws the same screen (tests render into a recorded ``Console``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+LEVEL_STYLE = {"ok": "green", "warn": "yellow", "bad": "bold red", "n/a": "dim"}
+STATUS_STYLE = {"alive": "green", "stale": "yellow", "restarting": "cyan", "dead": "bold red", "exited": "dim"}
+
+
+def fmt(v: Any, unit: str = "", digits: int = 3) -> str:
+    """Compact number: 1234567 -> '1.23M'; None -> '-'."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    if isinstance(v, str):
+        return v
+    a = abs(v)
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if a >= div:
+            return f"{v / div:.{digits}g}{suffix}{unit}"
+    if a != 0 and a < 1e-3:
+        return f"{v:.1e}{unit}"
+    return f"{v:.{digits}g}{unit}"
+
+
+def fmt_s(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v * 1000:.1f} ms" if v < 1 else f"{v:.2f} s"
+
+
+def sparkline(values: list[float | None], width: int | None = None) -> str:
+    """Unicode block sparkline; None is a gap. Scaled to the series' own max."""
+    vals = values[-width:] if width else values
+    finite = [v for v in vals if v is not None and math.isfinite(v)]
+    if not finite:
+        return " " * len(vals)
+    lo, hi = min(0.0, min(finite)), max(finite)
+    span = hi - lo or 1.0
+    return "".join(" " if v is None or not math.isfinite(v)
+                   else BLOCKS[min(len(BLOCKS) - 1, int((v - lo) / span * (len(BLOCKS) - 1) + 0.5))]
+                   for v in vals)
+
+
+def _kv_table(rows: list[tuple[str, str]]) -> Table:
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def totals_panel(s: dict) -> Panel:
+    t = s["totals"]
+    kl_label = "mismatch KL" if t.get("mismatch_key") == "learner/mismatch_kl" else "mismatch |Δlogp|"
+    idle = t.get("learner_idle_frac")
+    rows = [
+        ("trajectories/s (gen)", fmt(t.get("trajectories_per_s"))),
+        ("trajectories/s (trained)", fmt(t.get("trained_trajectories_per_s"))),
+        ("generated tokens/s", fmt(t.get("generated_tokens_per_s"))),
+        ("trained tokens/s", fmt(t.get("trained_tokens_per_s"))),
+        ("learner step time", fmt_s(t.get("learner_step_s"))),
+        ("learner idle (waiting)", "-" if idle is None else f"{100 * idle:.0f} %"),
+        ("queue depth (traj)", fmt(t.get("queue_depth"))),
+        ("version / step", f"{fmt(t.get('version'))} / {fmt(t.get('learner_step'))}"),
+        ("reward mean (train/gen)", f"{fmt(t.get('reward_mean'))} / {fmt(t.get('rollout_reward_mean'))}"),
+        (kl_label, fmt(t.get("mismatch_kl"))),
+    ]
+    return Panel(_kv_table(rows), title=f"Totals (last {s['window_s']:.0f} s)", box=box.SQUARE)
+
+
+def history_panel(s: dict) -> Panel:
+    h = s["history"]
+    t = Table.grid(padding=(0, 1))
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_column(justify="right")
+    for label, key in (("gen tok/s", "generated_tokens_per_s"), ("train tok/s", "trained_tokens_per_s"),
+                       ("traj/s", "trajectories_per_s"), ("reward", "reward_mean"),
+                       ("step time", "learner_step_s")):
+        series = h.get(key, [])
+        last = next((v for v in reversed(series) if v is not None), None)
+        t.add_row(label, Text(sparkline(series), style="cyan"), fmt_s(last) if key == "learner_step_s" else fmt(last))
+    span = h.get("bin_s", 0) * len(h.get("reward_mean", []))
+    return Panel(t, title=f"History (last {span:.0f} s)", box=box.SQUARE)
+
+
+def staleness_panel(s: dict) -> Panel:
+    st = s["staleness"]
+    hist = st["histogram"]
+    t = Table.grid(padding=(0, 1))
+    t.add_column(justify="right", style="bold")
+    t.add_column()
+    t.add_column(justify="right")
+    peak = max(hist.values(), default=0) or 1
+    for lag, n in hist.items():
+        t.add_row(f"lag {lag}", Text("█" * max(1, round(20 * n / peak)) if n else "", style="magenta"), fmt(n))
+    if not hist:
+        t.add_row("", Text("no samples trained yet", style="dim"), "")
+    t.add_row("dropped", Text(f"{fmt(st['dropped_stale'])} stale ({100 * st['dropped_frac']:.1f} %)"), "")
+    t.add_row("mean lag", Text(fmt(st.get("mean"))), "")
+    src = "" if st.get("histogram_source") == "learner" else " (approx.)"
+    return Panel(t, title=f"Staleness{src}", box=box.SQUARE)
+
+
+def weights_panel(s: dict) -> Panel:
+    w = s["weights"]
+
+    def timed(key, gbps_key=None):
+        out = fmt_s(w.get(key))
+        return out + (f"  {fmt(w.get(gbps_key))} GB/s" if gbps_key and w.get(gbps_key) else "")
+    rows = [
+        ("version / size", f"{fmt(w.get('version'))} / {fmt(w.get('bytes'), 'B')}"),
+        ("gather (learner)", timed("gather_s")),
+        ("write (learner)", timed("write_s", "write_gbps")),
+        ("transfer (worker)", timed("transfer_s", "transfer_gbps")),
+        ("load (worker)", timed("load_s", "load_gbps")),
+    ]
+    return Panel(_kv_table(rows), title="Weights (last sync)", box=box.SQUARE)
+
+
+def moe_panel(s: dict) -> Panel:
+    m = s["moe"]
+    th = m["thresholds"]
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
+    t.add_column("layer", justify="right")
+    t.add_column("router H", justify="right")
+    t.add_column("usage std", justify="right")
+    for layer in m["layers"]:
+        t.add_row(str(layer["layer"]),
+                  Text(fmt(layer["router_entropy"]), style=LEVEL_STYLE[layer["entropy_level"]]),
+                  Text(fmt(layer["expert_usage_std"]), style=LEVEL_STYLE[layer["usage_level"]]))
+    if not m["layers"]:
+        t.add_row("-", "no MoE metrics", "")
+    note = Text(f"warn/bad: H<{th['entropy_warn']:g}/{th['entropy_bad']:g} "
+                f"std>{th['usage_std_warn']:g}/{th['usage_std_bad']:g}", style="dim")
+    return Panel(Group(t, note), title="MoE router", box=box.SQUARE)
+
+
+def workers_panel(s: dict) -> Panel:
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=True)
+    for col, just in (("worker", "right"), ("host", "left"), ("device", "left"), ("version", "right"),
+                      ("lag", "right"), ("tokens/s", "right"), ("heartbeat", "right"), ("status", "left"),
+                      ("state", "left"), ("restarts", "right")):
+        t.add_column(col, justify=just)
+    for w in s["workers"]:
+        age = w.get("heartbeat_age_s")
+        t.add_row(str(w["id"]), w.get("host") or "-", w.get("device") or "-", fmt(w.get("version")),
+                  fmt(w.get("lag")), fmt(w.get("tokens_per_s")), "-" if age is None else f"{age:.1f} s ago",
+                  Text(w["status"], style=STATUS_STYLE.get(w["status"], "")), w.get("state") or "-",
+                  str(w.get("restarts", 0)))
+    if not s["workers"]:
+        t.add_row("-", "no rollout workers registered", *[""] * 8)
+    return Panel(t, title=f"Workers ({len(s['workers'])})", box=box.SQUARE)
+
+
+def header(s: dict | None, url: str, error: str | None, now: float | None = None) -> Text:
+    now = time.time() if now is None else now
+    t = Text()
+    t.append("StreamRL monitor", style="bold")
+    if s is not None:
+        style = "green" if s["status"] == "running" else "yellow"
+        t.append(f"  run {s['run_id']}  ")
+        t.append(s["status"], style=style)
+    t.append(f"  redis {url}  {time.strftime('%H:%M:%S', time.localtime(now))}", style="dim")
+    if error:
+        t.append(f"\n{error}", style="bold red")
+    return t
+
+
+def render(s: dict | None, url: str, error: str | None = None) -> RenderableType:
+    """The whole screen for snapshot ``s`` (None: nothing read yet) and an optional error line."""
+    if s is None:
+        return Group(header(None, url, error), Text("waiting for the first snapshot…", style="dim"))
+    top = Table.grid(expand=True, padding=(0, 1))
+    top.add_column(ratio=1)
+    top.add_column(ratio=1)
+    top.add_row(totals_panel(s), history_panel(s))
+    mid = Table.grid(expand=True, padding=(0, 1))
+    for _ in range(3):
+        mid.add_column(ratio=1)
+    mid.add_row(staleness_panel(s), weights_panel(s), moe_panel(s))
+    return Group(header(s, url, error, s.get("time")), top, mid, workers_panel(s))
