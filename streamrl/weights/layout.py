@@ -4,7 +4,8 @@ A version is one flat byte space: each tensor sits at a 64-byte aligned offset, 
 *bucket* is a contiguous run of tensors of about ``bucket_bytes``. Buckets are the unit
 of gathering, transfer, readiness announcements and verification, so the publisher holds
 at most one bucket of gathered tensors and a subscriber can verify (and re-fetch) each
-bucket on its own. Padding bytes are zero and belong to the bucket they follow.
+bucket on its own. Padding bytes belong to the bucket they follow and are covered by its checksum
+(zero in a fresh store file, old bytes in a recycled one: the checksum is of what is there).
 
 Checksums (``algo`` in the manifest):
 

@@ -141,6 +141,8 @@ class WeightSubscriber:
                     bufs[i] = buf
                     continue
                 self.checksum_failures += 1
+                if self.coord.manifest(version) is None:
+                    return None  # collected (and its file recycled) while we read it
                 tries[i] += 1
                 if tries[i] > self.retries:
                     raise ChecksumError(f"weights v{version} bucket {i} failed its checksum "

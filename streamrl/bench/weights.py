@@ -1,0 +1,372 @@
+"""``streamrl-bench weights``: weight broadcast from ``publish()`` to the last ack.
+
+For each data plane (shm, zmq), model size and subscriber count, the benchmark process is
+the learner: it holds each parameter as two dim-0 shards (like a 2-rank FSDP2 learner) and
+its gather makes the full tensor (``torch.cat``), so gather memory is real. Subscribers are
+subprocesses with a preallocated "engine" (a dict of tensors, loaded by ``copy_``, all or
+nothing) that follow versions as soon as they begin (streaming), verify, load and ack.
+
+Reported per row: end-to-end seconds from ``publish()`` to the last ack and GB/s; the split
+gather / write (publisher) / transfer (subscriber fetch wall time, overlapping the publish)
+/ verify / load (slowest subscriber); peak extra publisher memory (anonymous RSS above the
+baseline, sampled every ms; shared-memory store pages are the data plane's, not counted);
+and in the same run, on the same bytes: a plain single-threaded ``memcpy`` and raw ZeroMQ
+(bucket-sized zero-copy messages over TCP loopback to a subprocess, no checksums, no load).
+
+With ``--json`` the last line is one JSON object: ``shm_ratio_vs_memcpy`` and
+``zmq_ratio_vs_raw_zmq`` (largest size, 1 subscriber: baseline time / end-to-end time),
+``peak_extra_over_bucket`` (max over rows), and ``rows``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+MB = 1 << 20
+
+
+def _rss_anon() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakSampler:
+    """Max anonymous RSS above the starting value while active (1 ms sampling)."""
+
+    def __init__(self):
+        self.base = _rss_anon()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_anon() - self.base)
+            time.sleep(0.001)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss_anon() - self.base)
+        return self.peak
+
+
+def make_model(total_bytes: int, tensor_bytes: int, device: str):
+    """Specs and 2-shard storage of a model of ``total_bytes`` float32 weights."""
+    specs, shards = [], []
+    left, i = total_bytes, 0
+    while left > 0:
+        n = min(tensor_bytes, left) // 4 // 2 * 2 or 2
+        rows = n // 256 if n % 256 == 0 and n >= 512 else n
+        cols = n // rows
+        specs.append((f"model.layers.{i}.weight", torch.float32, (rows, cols)))
+        full = torch.randn(rows, cols, device=device)
+        shards.append(list(full.chunk(2, 0)))
+        left -= n * 4
+        i += 1
+    return specs, shards
+
+
+def gather(shards):
+    """Full tensors one at a time: a new allocation per parameter, like an FSDP all-gather."""
+    for parts in shards:
+        yield torch.cat(parts, 0)
+
+
+def memcpy_s(nbytes: int, device: str, reps: int = 3) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src).fill_(0)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def pinned_copy_s(nbytes: int, device: str, reps: int = 3) -> tuple[float, float]:
+    """Best (D2H, H2D) seconds for ``nbytes`` between ``device`` and pinned host memory."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2h = h2d = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        d2h = min(d2h, time.perf_counter() - t)
+        t = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        h2d = min(h2d, time.perf_counter() - t)
+    return d2h, h2d
+
+
+def raw_zmq_s(nbytes: int, msg_bytes: int, reps: int = 2) -> float:
+    """Best time to push ``nbytes`` in ``msg_bytes`` messages to a subprocess and hear back."""
+    import zmq
+
+    ctx = zmq.Context(io_threads=2)
+    push = ctx.socket(zmq.PUSH)
+    port = push.bind_to_random_port("tcp://127.0.0.1")
+    done = ctx.socket(zmq.PULL)
+    dport = done.bind_to_random_port("tcp://127.0.0.1")
+    count = -(-nbytes // msg_bytes)
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl.bench.weights", "--raw-sink",
+                             f"{port},{dport},{count},{reps + 1}"])
+    payload = bytearray(msg_bytes)
+    best = float("inf")
+    try:
+        for r in range(reps + 1):  # the first round warms up the connection
+            t = time.perf_counter()
+            for _ in range(count):
+                push.send(payload, copy=False)
+            if not done.poll(120_000):
+                raise TimeoutError("raw zmq sink did not answer")
+            done.recv()
+            if r:
+                best = min(best, time.perf_counter() - t)
+    finally:
+        proc.wait(timeout=30)
+        push.close(0)
+        done.close(0)
+        ctx.term()
+    return best
+
+
+def _raw_sink(arg: str) -> int:
+    import zmq
+
+    port, dport, count, rounds = map(int, arg.split(","))
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(f"tcp://127.0.0.1:{port}")
+    done = ctx.socket(zmq.PUSH)
+    done.connect(f"tcp://127.0.0.1:{dport}")
+    for _ in range(rounds):
+        for _ in range(count):
+            pull.recv(copy=False)
+        done.send(b"ok")
+    time.sleep(0.2)
+    return 0
+
+
+class DictEngine:
+    """Preallocated engine tensors (touched once, so loads measure copies, not page faults)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.params: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, named):
+        items = list(named)
+        if {n for n, _ in items} != set(self.params):
+            self.params = {n: torch.zeros(t.shape, dtype=t.dtype, device=self.device) for n, t in items}
+        for n, t in items:
+            self.params[n].copy_(t)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+
+def _subscriber(args) -> int:
+    from streamrl.coord.coordinator import Coordinator
+    from streamrl.weights.subscriber import WeightSubscriber
+
+    torch.set_num_threads(1)
+    coord = Coordinator(args.redis_url, args.run)
+    sub = WeightSubscriber(coord, plane=args.plane, streams=args.streams)
+    engine = DictEngine(args.device)
+    ps = coord.subscribe_versions()
+    active_key = coord.keys._k("bench", "active")
+    while coord.stop_reason() is None:
+        v = coord.wait_version(sub.loaded_version, 1.0, pubsub=ps, poll_s=0.01, include_pending=True)
+        if v is None or int(coord.r.get(active_key) or 0) < args.worker_id:
+            if v is not None:
+                sub.loaded_version = v  # not in this round: skip it
+            continue
+        sub.load(engine, args.worker_id, v)
+    sub.close()
+    return 0
+
+
+def run_plane(plane: str, sizes_mb: list[int], subs: list[int], args, redis_url: str) -> list[dict]:
+    from streamrl.coord.coordinator import Coordinator
+    from streamrl.weights.publisher import WeightPublisher
+
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    coord = Coordinator(redis_url, run)
+    active_key = coord.keys._k("bench", "active")
+    coord.r.set(active_key, 0)
+    pub = WeightPublisher(coord, run, plane="auto", bucket_bytes=args.bucket_mb * MB, keep=2,
+                          checksum=args.checksum)
+    n_max = max(subs)
+    procs = [subprocess.Popen([sys.executable, "-m", "streamrl.bench.weights", "--subscriber",
+                               "--redis-url", redis_url, "--run", run, "--worker-id", str(w),
+                               "--plane", plane, "--streams", str(args.streams), "--device", args.sub_device])
+             for w in range(1, n_max + 1)]
+    rows, version = [], 0
+    try:
+        for size in sizes_mb:
+            nbytes = size * MB
+            specs, shards = make_model(nbytes, min(args.tensor_mb * MB, nbytes), args.device)
+            base_memcpy = memcpy_s(nbytes, args.device)
+            base_zmq = raw_zmq_s(nbytes, args.bucket_mb * MB) if plane == "zmq" else None
+            pinned = pinned_copy_s(nbytes, args.device) if args.device.startswith("cuda") else None
+            for n in subs:
+                if _mem_estimate(plane, nbytes, n) > args.max_mem_gb * (1 << 30):
+                    print(f"# skip {plane} {size} MB x{n}: over --max-mem-gb", file=sys.stderr)
+                    continue
+                coord.r.set(active_key, n)
+                workers = list(range(1, n + 1))
+                best = None
+                for rep in range(args.repeat + 1):  # the first round allocates engines: warm-up
+                    sampler = PeakSampler()
+                    t0 = time.perf_counter()
+                    pt = pub.publish(version, specs, gather(shards))
+                    if not coord.wait_acks(version, workers, timeout_s=300, poll_s=0.001):
+                        raise TimeoutError(f"{plane}: subscribers did not ack v{version}")
+                    e2e = time.perf_counter() - t0
+                    peak = sampler.stop()
+                    st = [coord.weight_timings(w) for w in workers]
+                    version += 1
+                    if rep == 0:
+                        continue
+                    row = {
+                        "plane": plane, "size_mb": size, "subscribers": n, "e2e_s": e2e,
+                        "gbps": nbytes / e2e / 1e9,
+                        "gather_s": pt["weights/gather_s"], "write_s": pt["weights/write_s"],
+                        "transfer_s": max(s.get("weights/transfer_s", 0) for s in st),
+                        "verify_s": max(s.get("weights/verify_s", 0) for s in st),
+                        "load_s": max(s.get("weights/load_s", 0) for s in st),
+                        "peak_extra_mb": peak / MB, "peak_extra_over_bucket": peak / (args.bucket_mb * MB),
+                        "memcpy_gbps": nbytes / base_memcpy / 1e9,
+                        "ratio_vs_memcpy": base_memcpy / e2e,
+                    }
+                    if pinned is not None:  # GPU learner: D2H + host plane + H2D vs the bare pinned copies
+                        row["pinned_d2h_gbps"] = nbytes / pinned[0] / 1e9
+                        row["pinned_h2d_gbps"] = nbytes / pinned[1] / 1e9
+                        row["ratio_vs_pinned_d2h_h2d"] = (pinned[0] + pinned[1]) / e2e
+                    if base_zmq is not None:
+                        row["raw_zmq_gbps"] = nbytes / base_zmq / 1e9
+                        row["ratio_vs_raw_zmq"] = base_zmq / e2e
+                    if best is None or row["e2e_s"] < best["e2e_s"]:
+                        best = row
+                rows.append(best)
+                _print_row(best)
+            del shards
+    finally:
+        coord.request_stop("bench done")
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        pub.close()
+        coord.close()
+    return rows
+
+
+def _mem_estimate(plane: str, nbytes: int, n: int) -> int:
+    per_sub = nbytes * (2 if plane == "zmq" else 1)  # received buffers + engine
+    return nbytes * 4 + n * per_sub  # model + gather + 2 kept store versions
+
+
+def _print_row(r: dict) -> None:
+    extra = f" raw_zmq {r['raw_zmq_gbps']:.2f} GB/s ratio {r['ratio_vs_raw_zmq']:.2f}" if "raw_zmq_gbps" in r else ""
+    print(f"{r['plane']:>4} {r['size_mb']:>6} MB x{r['subscribers']}: {r['e2e_s']:.3f} s {r['gbps']:.2f} GB/s | "
+          f"gather {r['gather_s']:.3f} write {r['write_s']:.3f} transfer {r['transfer_s']:.3f} "
+          f"verify {r['verify_s']:.3f} load {r['load_s']:.3f} | peak +{r['peak_extra_mb']:.0f} MB | "
+          f"memcpy {r['memcpy_gbps']:.2f} GB/s ratio {r['ratio_vs_memcpy']:.2f}{extra}", flush=True)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="streamrl-bench weights", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--sizes", default="10,100,1000", help="model sizes in MB, comma-separated (up to 2000)")
+    p.add_argument("--subscribers", default="1,2,4", help="subscriber counts, comma-separated (1-4)")
+    p.add_argument("--planes", default="shm,zmq", help="data planes to measure")
+    p.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MB")
+    p.add_argument("--tensor-mb", type=int, default=16, help="size of each model tensor in MB")
+    p.add_argument("--checksum", default="sum64", choices=["sum64", "crc32"])
+    p.add_argument("--streams", type=int, default=2, help="ZeroMQ streams per subscriber")
+    p.add_argument("--repeat", type=int, default=2, help="timed rounds per row (best is kept)")
+    p.add_argument("--device", default="cpu", help="learner tensors' device: cpu or cuda (D2H + transfer + H2D)")
+    p.add_argument("--max-mem-gb", type=float, default=12.0, help="skip rows estimated to need more memory")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    # internal roles
+    p.add_argument("--subscriber", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--raw-sink", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--run", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-id", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--plane", default="shm", help=argparse.SUPPRESS)
+    p.add_argument("--sub-device", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.sub_device = a.sub_device or a.device
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.raw_sink:
+        return _raw_sink(args.raw_sink)
+    if args.subscriber:
+        return _subscriber(args)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s]
+        subs = [int(s) for s in args.subscribers.split(",") if s]
+        planes = [s for s in args.planes.split(",") if s]
+    except ValueError:
+        raise ValueError(f"--sizes {args.sizes!r} / --subscribers {args.subscribers!r}: expected integers")
+    if not sizes or min(sizes) < 1 or max(sizes) > 4096:
+        raise ValueError(f"--sizes {args.sizes!r}: each must be in [1, 4096] MB")
+    if not subs or min(subs) < 1 or max(subs) > 8:
+        raise ValueError(f"--subscribers {args.subscribers!r}: each must be in [1, 8]")
+    if set(planes) - {"shm", "zmq"}:
+        raise ValueError(f"--planes {args.planes!r}: choose from shm, zmq")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device!r}: no CUDA device here")
+    torch.set_num_threads(1)  # every copy in this benchmark, baselines included, uses one thread
+    server = None
+    url = args.redis_url
+    if url is None:
+        import tempfile
+
+        from streamrl.launcher.redis_server import RedisServer
+
+        server = RedisServer(Path(tempfile.mkdtemp(prefix="streamrl-bench-redis-"))).start()
+        url = server.url
+    rows = []
+    try:
+        for plane in planes:
+            rows += run_plane(plane, sizes, subs, args, url)
+    finally:
+        if server is not None:
+            server.stop()
+    out = {"bench": "weights", "device": args.device, "bucket_mb": args.bucket_mb, "checksum": args.checksum,
+           "rows": rows}
+    for plane, key, base in (("shm", "shm_ratio_vs_memcpy", "ratio_vs_memcpy"),
+                             ("zmq", "zmq_ratio_vs_raw_zmq", "ratio_vs_raw_zmq")):
+        one = [r for r in rows if r["plane"] == plane and r["subscribers"] == 1]
+        if one:
+            out[key] = max(one, key=lambda r: r["size_mb"])[base]
+    if rows:
+        out["peak_extra_over_bucket"] = max(r["peak_extra_over_bucket"] for r in rows)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
