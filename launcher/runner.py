@@ -63,9 +63,12 @@ def execute(launch: Launch) -> int:
             server.stop()
         raise
     learner, rollers = procs
-    if launch.head:
-        (launch.run_dir / "run.json").write_text(json.dumps(
-            {"run_id": launch.run_id, "redis_url": redact(url), "placement": launch.plan.to_dict()}, indent=2))
+    if launch.head:  # streamrl-monitor RUN_DIR reads Redis and the run id from here
+        info = launch.run_dir / "run.json"
+        info.write_text(json.dumps({"run_id": launch.run_id, "redis_url": url, "placement": launch.plan.to_dict()},
+                                   indent=2))
+        if url != redact(url):
+            info.chmod(0o600)  # it holds the Redis password
     parts = [f"{len(launch.plan.learner.devices)} of {launch.plan.learner_world} learner rank(s)"] if learner else []
     parts.append(f"{len(rollers)} roller(s) {[r.name for r in rollers]}")
     _say(f"run {launch.run_id}, node {args.node_rank}/{args.nnodes}, role {args.role}: {', '.join(parts)}; "
