@@ -118,9 +118,43 @@ class RolloutConfig:
     """Sampling temperature (behaviour log-probs are of the tempered distribution)."""
     device: str = "cpu"
     """Device for the engine."""
+    rewards: str = "task"
+    """Reward spec 'name=weight,...': task, exact_answer, format or package.module:function."""
+    reward_model: str = ""
+    """Optional reward-model hook 'package.module:factory'; factory(device) -> fn(prompts, responses)."""
+    reward_model_device: str = "cpu"
+    """Device handed to the reward-model factory (its own device)."""
+    prompt_file: str = ""
+    """JSONL prompt file ({"prompt", "answer"} per line); empty = the task generator."""
+    chat_template: bool = False
+    """Wrap prompts in the tokenizer's chat template (instruct models)."""
+    kv_cache_mb: int = 256
+    """vLLM KV-cache size in MiB (vLLM's default would take 90% of memory)."""
+    max_model_len: int = 512
+    """vLLM: longest prompt + response in tokens."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM on GPU: fraction of GPU memory for weights + KV (ignored on CPU)."""
+    record_routing: bool = False
+    """hf engine: record routed-expert ids per token (trajectory key routed_experts)."""
+    parity_probes: int = 0
+    """After each weight update score this many fixed probes in engine and HF model (0 = off)."""
 
     def validate(self, p: str) -> None:
         _check(self.engine in ("hf", "vllm"), f"{p}.engine", self.engine, "must be 'hf' or 'vllm'")
+        _check(self.kv_cache_mb >= 1, f"{p}.kv_cache_mb", self.kv_cache_mb, "must be >= 1")
+        _check(self.max_model_len >= 2, f"{p}.max_model_len", self.max_model_len, "must be >= 2")
+        _check(0 < self.gpu_memory_utilization <= 1, f"{p}.gpu_memory_utilization",
+               self.gpu_memory_utilization, "must be in (0, 1]")
+        _check(self.parity_probes >= 0, f"{p}.parity_probes", self.parity_probes, "must be >= 0")
+        _check(not (self.record_routing and self.engine != "hf"), f"{p}.record_routing", self.record_routing,
+               "routing capture needs rollout.engine = 'hf'")
+        if self.rewards != "task":
+            from streamrl.rewards import RewardSpecError, parse_reward_spec
+
+            try:
+                parse_reward_spec(self.rewards)
+            except RewardSpecError as e:
+                raise ConfigError(f"config field '{p}.rewards' = {self.rewards!r}: {e}") from None
         _check(self.group_size >= 2, f"{p}.group_size", self.group_size,
                "must be >= 2 (group-relative advantages need a group)")
         _check(self.prompts_per_batch >= 1, f"{p}.prompts_per_batch", self.prompts_per_batch, "must be >= 1")
@@ -139,7 +173,8 @@ class LearnerConfig:
     max_staleness: int = 4
     """Largest accepted version lag (learner version - oldest token version); 0 = on-policy."""
     loss: str = "grpo_tis"
-    """Policy loss: grpo_tis (PPO-clip with truncated IS), grpo_no_correction."""
+    """Policy loss (see streamrl.learner.objective.LOSSES): grpo_tis, grpo_no_correction, grpo_mis,
+    grpo_seq_tis, grpo_seq_mis, decoupled_ppo, ppo_coupled, gspo."""
     clip_low: float = 0.2
     """PPO clip epsilon below 1."""
     clip_high: float = 0.28
@@ -154,17 +189,86 @@ class LearnerConfig:
     """Publish weights every this many steps."""
     device: str = "cpu"
     """Learner device ('cpu' or 'cuda'; ranks use their local GPU)."""
+    agg: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm (Dr.GRPO)."""
+    adv_std_norm: bool = True
+    """Divide group advantages by the group std (GRPO); false = Dr.GRPO (centre only)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 capping the loss of negative advantages at c|A|; 0 = off."""
+    gspo_clip_low: float = 3e-4
+    """GSPO clip epsilon below 1 (sequence ratios are geometric means: tiny epsilons)."""
+    gspo_clip_high: float = 4e-4
+    """GSPO clip epsilon above 1."""
+    minibatches: int = 1
+    """Optimizer steps per batch; > 1 makes the proximal policy differ from the current one."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty to a frozen copy of the initial policy; 0 = no reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1 or k3."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (subtracted from the loss)."""
+    z_loss_coef: float = 0.0
+    """MoE router z-loss coefficient."""
+    ep: int = 1
+    """Expert-parallel degree: experts split over this many ranks (must divide world size and experts)."""
+    experts_impl: str = "auto"
+    """Expert MLP kernel: auto (grouped_mm on CUDA, loop on CPU), grouped_mm, loop."""
+    mixed_precision: bool = True
+    """On CUDA: bf16 parameters in forward/backward with fp32 gradient reduction (FSDP2)."""
+    router_freeze_steps: int = 0
+    """Keep MoE router weights frozen for this many steps (warm-up)."""
+    router_unfreeze_min_entropy: float = 0.0
+    """Unfreeze only once mean moe/router_entropy >= this (0 = no gate)."""
+    router_unfreeze_max_usage_std: float = 0.0
+    """Unfreeze only once mean moe/expert_usage_std <= this (0 = no gate)."""
+    router_ema: float = 0.0
+    """EMA decay of the router weights published to rollouts (0 = publish the raw router)."""
+    routing_replay: bool = False
+    """Replay the rollout's routed experts (R3) when trajectories carry routed_experts."""
 
     def validate(self, p: str) -> None:
         _check(self.lr > 0, f"{p}.lr", self.lr, "must be > 0")
+        _check(self.agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"), f"{p}.agg",
+               self.agg, "must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
+        _check(self.dual_clip == 0 or self.dual_clip > 1, f"{p}.dual_clip", self.dual_clip, "must be 0 (off) or > 1")
+        _check(self.gspo_clip_low > 0 and self.gspo_clip_high > 0, f"{p}.gspo_clip_low/high",
+               (self.gspo_clip_low, self.gspo_clip_high), "must be > 0")
+        _check(self.minibatches >= 1, f"{p}.minibatches", self.minibatches, "must be >= 1")
+        _check(self.kl_coef >= 0, f"{p}.kl_coef", self.kl_coef, "must be >= 0")
+        _check(self.kl_estimator in ("k1", "k3"), f"{p}.kl_estimator", self.kl_estimator, "must be k1 or k3")
+        _check(self.entropy_coef >= 0, f"{p}.entropy_coef", self.entropy_coef, "must be >= 0")
+        _check(self.z_loss_coef >= 0, f"{p}.z_loss_coef", self.z_loss_coef, "must be >= 0")
+        _check(self.aux_loss_coef >= 0, f"{p}.aux_loss_coef", self.aux_loss_coef, "must be >= 0")
+        _check(self.ep >= 1, f"{p}.ep", self.ep, "must be >= 1")
+        _check(self.experts_impl in ("auto", "grouped_mm", "loop"), f"{p}.experts_impl", self.experts_impl,
+               "must be auto, grouped_mm or loop")
+        _check(self.router_freeze_steps >= 0, f"{p}.router_freeze_steps", self.router_freeze_steps, "must be >= 0")
+        _check(0 <= self.router_ema < 1, f"{p}.router_ema", self.router_ema, "must be in [0, 1)")
         _check(self.groups_per_step >= 1, f"{p}.groups_per_step", self.groups_per_step, "must be >= 1")
         _check(self.max_staleness >= 0, f"{p}.max_staleness", self.max_staleness, "must be >= 0")
-        _check(self.loss in ("grpo_tis", "grpo_no_correction"), f"{p}.loss", self.loss,
-               "must be grpo_tis or grpo_no_correction")
+        losses = ("grpo_tis", "grpo_no_correction", "grpo_mis", "grpo_seq_tis", "grpo_seq_mis",
+                  "decoupled_ppo", "ppo_coupled", "gspo")
+        _check(self.loss in losses, f"{p}.loss", self.loss, f"must be one of {losses}")
         _check(0 < self.clip_low < 1, f"{p}.clip_low", self.clip_low, "must be in (0, 1)")
         _check(self.clip_high > 0, f"{p}.clip_high", self.clip_high, "must be > 0")
         _check(self.tis_cap >= 1, f"{p}.tis_cap", self.tis_cap, "must be >= 1")
         _check(self.publish_interval >= 1, f"{p}.publish_interval", self.publish_interval, "must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    """Checkpoint directory; empty = RUN_DIR/checkpoints."""
+    save_interval: int = 0
+    """Save a sharded DCP checkpoint every this many learner steps; 0 = only on a clean stop."""
+    keep_last: int = 2
+    """Keep the newest this many step checkpoints; older ones are deleted."""
+    save_on_stop: bool = True
+    """Also save when the run stops cleanly (steps done or stop requested)."""
+
+    def validate(self, p: str) -> None:
+        _check(self.save_interval >= 0, f"{p}.save_interval", self.save_interval, "must be >= 0")
+        _check(self.keep_last >= 1, f"{p}.keep_last", self.keep_last, "must be >= 1")
 
 
 @dataclass
@@ -214,6 +318,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 

@@ -228,6 +228,7 @@ def gspo_loss(
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
     num_seqs: float | None = None,
+    seq_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025): PPO-clip on the length-normalised sequence ratio.
 
@@ -237,6 +238,7 @@ def gspo_loss(
 
     Args:
         logp, old_logp: [B, T]; advantages: [B]; mask: [B, T].
+        seq_weight: [B] off-policy weight per sequence (no gradient), or None.
     Returns:
         (loss scalar, stats with ``clip_frac`` over sequences and ``seq_ratio_mean``).
     """
@@ -247,6 +249,8 @@ def gspo_loss(
     l1 = -advantages * s
     l2 = -advantages * torch.clamp(s, 1 - clip_low, 1 + clip_high)
     seq_loss = torch.maximum(l1, l2) * (mask.sum(-1) > 0).to(logp.dtype)
+    if seq_weight is not None:
+        seq_loss = seq_loss * seq_weight.detach()
     n = float(logp.shape[0]) if num_seqs is None else num_seqs
     loss = seq_loss.sum() / max(n, 1.0)
     with torch.no_grad():

@@ -61,3 +61,22 @@ class StalenessBuffer:
     def pending(self) -> list[TensorDict]:
         """Everything buffered (for checkpoints)."""
         return [t for g in self._groups.values() for t in g]
+
+    def export_state(self) -> tuple[TensorDict | None, dict]:
+        """(pending trajectories packed in arrival order or None, JSON-able counters) for checkpoints."""
+        items = self.pending()
+        if items:
+            common = set.intersection(*(set(t.keys()) for t in items))
+            items = [t.select(*common) for t in items]  # optional keys only when every item has them
+        meta = {"dropped_stale": self.dropped_stale, "dropped_stale_groups": self.dropped_stale_groups,
+                "lag_histogram": {str(k): v for k, v in self.lag_histogram.items()}}
+        return (concat_trajectories(items) if items else None), meta
+
+    def load_state(self, items: TensorDict | None, meta: dict) -> None:
+        """Restore what :meth:`export_state` returned (groups re-form from the items)."""
+        self._groups.clear()
+        if items is not None:
+            self.add(items)
+        self.dropped_stale = int(meta.get("dropped_stale", 0))
+        self.dropped_stale_groups = int(meta.get("dropped_stale_groups", 0))
+        self.lag_histogram = Counter({int(k): int(v) for k, v in meta.get("lag_histogram", {}).items()})

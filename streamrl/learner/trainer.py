@@ -1,25 +1,32 @@
-"""The learner's model, FSDP2 sharding, optimizer and one policy-gradient step.
+"""The learner's model, expert parallel + FSDP2 sharding, optimizer and one policy-gradient step.
 
 Every rank holds the full packed batch (broadcast from rank 0), computes advantages on all
 of it (cheap, and identical everywhere), and trains on its own slice of trajectories.
-Loss is a global token-mean: each rank divides its token sum by the global token count and
-multiplies by the world size, because FSDP2's gradient reduce-scatter averages over ranks.
+Losses are normalised by *global* counts (tokens or sequences) divided by the world size,
+because FSDP2's gradient reduce-scatter averages over ranks; the MoE router losses
+all-reduce their statistics so their gradient is that of the global loss too.
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tensordict import TensorDict
 
 from streamrl.algorithms.advantages import group_advantages
-from streamrl.algorithms.losses import ppo_clip_tis_loss
+from streamrl.algorithms.moe_losses import load_balancing_loss, router_z_loss
+from streamrl.algorithms.regularizers import token_entropy
 from streamrl.config import Config
+from streamrl.learner.moe_router import RouterController, router_metrics
+from streamrl.learner.objective import compute_policy_loss, kl_term
 from streamrl.models.factory import load_model_and_tokenizer
+from streamrl.models.moe import find_moe_blocks
+from streamrl.parallel.expert_parallel import full_parameter, global_param_specs, parallelize
+from streamrl.parallel.mesh import build_mesh
 from streamrl.trajectory import to_padded
 
 
@@ -36,40 +43,43 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return lp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def moe_router_stats(router_logits: tuple[torch.Tensor, ...] | None, top_k: int) -> dict[str, float]:
-    """Per-layer ``moe/router_entropy`` and ``moe/expert_usage_std`` (seed article metrics).
+def moe_router_stats(router_logits, top_k: int) -> dict[str, float]:
+    """Per-layer router metrics of one process (kept for callers of the skeleton)."""
+    return router_metrics(list(router_logits or []), top_k)
 
-    router_logits: per layer [N_tokens, E]. Entropy is of the routing softmax, normalised by
-    log E (1 = uniform); usage std is the std of the fraction of top-k assignments per expert,
-    times E (0 = perfectly balanced, 1 = std equal to the mean load).
+
+def padded_routed_experts(batch: TensorDict, t_max: int, layers: int) -> torch.Tensor | None:
+    """R3 replay ids aligned with the training positions, or None.
+
+    ``routed_experts[j]`` of a trajectory are the experts chosen at the forward position that
+    produced response token j, i.e. position ``prompt_len - 1 + j`` (the position whose
+    log-prob is trained). Other positions get -1 (route normally).
+
+    Returns:
+        [B, t_max, L, k] int64 or None when the batch has no ``routed_experts``.
     """
-    if not router_logits:
-        return {}
-    out = {}
-    ents, stds = [], []
-    for i, logits in enumerate(router_logits):
-        logits = logits.detach().float()
-        e = logits.shape[-1]
-        p = logits.softmax(-1)
-        ent = float(-(p * p.clamp_min(1e-12).log()).sum(-1).mean() / math.log(e))
-        chosen = logits.topk(top_k, dim=-1).indices.flatten()
-        usage = torch.bincount(chosen, minlength=e).float()
-        usage = usage / usage.sum().clamp(min=1)
-        std = float(usage.std() * e)
-        out[f"moe/router_entropy/layer{i}"] = ent
-        out[f"moe/expert_usage_std/layer{i}"] = std
-        ents.append(ent)
-        stds.append(std)
-    out["moe/router_entropy"] = sum(ents) / len(ents)
-    out["moe/expert_usage_std"] = sum(stds) / len(stds)
+    if "routed_experts" not in batch.keys():
+        return None
+    re = batch["routed_experts"]
+    if re.shape[1] != layers:
+        raise ValueError(f"routed_experts has {re.shape[1]} layers, the model has {layers} MoE layers")
+    p_lens, r_lens = batch["prompt_lens"].tolist(), batch["response_lens"].tolist()
+    out = torch.full((len(p_lens), t_max, layers, re.shape[2]), -1, dtype=torch.int64)
+    ro = 0
+    for i, (p, r) in enumerate(zip(p_lens, r_lens)):
+        out[i, p - 1 : p - 1 + r] = re[ro : ro + r].long()
+        ro += r
     return out
 
 
 class Trainer:
-    """Model + FSDP2 + AdamW; :meth:`step` trains on one packed batch."""
+    """Model + expert parallel + FSDP2 + AdamW; :meth:`step` trains on one packed batch."""
 
     def __init__(self, cfg: Config):
+        import torch.distributed as dist
+
         self.cfg = cfg
+        lc = cfg.learner
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         # Same seed on every rank: identical initial weights before sharding.
@@ -77,27 +87,25 @@ class Trainer:
         self.tokenizer = tok
         self.pad_id = tok.pad_token_id
         self.device = torch.device("cpu")
-        if cfg.learner.device.startswith("cuda"):
+        if lc.device.startswith("cuda"):
             self.device = torch.device("cuda", torch.cuda.current_device())
-        model.to(self.device)
-        self.top_k = getattr(model.config, "num_experts_per_tok", 0)
-        self.is_moe = bool(getattr(model.config, "num_experts", 0))
-        # Names and global shapes before sharding: the weights manifest is built from these.
-        self.param_specs = [(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
-        if self.world > 1:
-            self._shard(model)
+        self.top_k = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+        hf_blocks = find_moe_blocks(model)
+        self.num_experts = int(hf_blocks[0][1].experts.gate_up_proj.shape[0]) if hf_blocks else 0
+        self.is_moe = bool(hf_blocks)
+        self.mesh = build_mesh(lc.ep, self.device.type, self.num_experts)
+        self.ref_model = None
+        if lc.kl_coef > 0:
+            self.ref_model = copy.deepcopy(model)
+            parallelize(self.ref_model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision)
+            self.ref_model.requires_grad_(False).eval()
+        self.blocks = parallelize(model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision)
         self.model = model
-        self.optim = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr,
-                                       weight_decay=cfg.learner.weight_decay, betas=(0.9, 0.99))
-
-    def _shard(self, model) -> None:
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        # Names and global shapes: the weights manifest is built from these.
+        self.param_specs = global_param_specs(model, lc.ep)
+        self.router = RouterController(model, self.blocks, lc)
+        self.optim = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.99))
+        self.steps_done = 0
 
     def my_slice(self, n: int) -> slice:
         """Contiguous trajectory range of this rank among ``n`` (ranks may get 0)."""
@@ -105,75 +113,147 @@ class Trainer:
         lo = min(self.rank * per, n)
         return slice(lo, min(lo + per, n))
 
+    def _forward(self, model, ids, attn, replay=None):
+        """Logits [B, T, V] and per-layer router logits [B*T, E] (replay: [B, T, L, k] or None)."""
+        for i, b in enumerate(self.blocks if model is self.model else []):
+            b.replay = None if replay is None else replay[:, :, i].reshape(-1, replay.shape[-1]).to(self.device)
+        try:
+            out = model(input_ids=ids, attention_mask=attn, use_cache=False)
+        finally:
+            for b in self.blocks:
+                b.replay = None
+        routers = [b.last_router_logits for b in self.blocks] if model is self.model else []
+        return out.logits, routers
+
     def step(self, batch: TensorDict) -> dict[str, float]:
-        """One optimizer step on a packed batch (identical on every rank)."""
+        """One learner step (``minibatches`` optimizer steps) on a packed batch, same on every rank."""
         t0 = time.perf_counter()
-        cfg = self.cfg.learner
+        cfg, lc = self.cfg, self.cfg.learner
+        temp = cfg.rollout.temperature
         padded = to_padded(batch, self.pad_id)
-        adv = group_advantages(padded["reward"], padded["group_id"])
-        total_tokens = float(padded["loss_mask"].sum().clamp(min=1))
-        sl = self.my_slice(padded["input_ids"].shape[0])
-        ids = padded["input_ids"][sl].to(self.device)
-        attn = padded["attention_mask"][sl].to(self.device)
-        mask = padded["loss_mask"][sl].to(self.device)
-        behav = padded["behaviour_logprobs"][sl].to(self.device)
+        b_all, t_all = padded["input_ids"].shape
+        replay = padded_routed_experts(batch, t_all, len(self.blocks)) if (lc.routing_replay and self.blocks) else None
+        adv = group_advantages(padded["reward"], padded["group_id"], normalize_std=lc.adv_std_norm)
         self.model.train()
-        if ids.shape[0] == 0:
-            # An idle rank still joins FSDP's collectives, with a zero-weight dummy sequence.
-            ids = padded["input_ids"][:1].to(self.device)
-            attn = padded["attention_mask"][:1].to(self.device)
-            mask = torch.zeros_like(padded["loss_mask"][:1]).to(self.device)
-            behav = torch.zeros_like(mask)
-            adv_slice = torch.zeros(1)
-        else:
-            adv_slice = adv[sl]
-        out = self.model(input_ids=ids, attention_mask=attn, output_router_logits=self.is_moe, use_cache=False)
-        logp = token_logprobs(out.logits, ids, self.cfg.rollout.temperature)
-        pg_loss, stats = ppo_clip_tis_loss(
-            logp, logp.detach(), behav, adv_slice.to(self.device), mask,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            tis_cap=cfg.tis_cap if cfg.loss == "grpo_tis" else None,
-            denom=total_tokens / self.world,
-        )
+        agg: dict[str, float] = {}
+        per_mb = math.ceil(b_all / lc.minibatches)
+        mbs = [list(range(j, min(j + per_mb, b_all))) for j in range(0, b_all, per_mb)]
+        # The proximal policy: the weights before this batch's first update.
+        prox_all = None
+        if lc.minibatches > 1 and lc.loss != "ppo_coupled":
+            with torch.no_grad():
+                prox_all = {}
+                for j, mb in enumerate(mbs):
+                    idx = self._rank_rows(mb)
+                    ids = padded["input_ids"][idx].to(self.device)
+                    logits, _ = self._forward(self.model, ids, padded["attention_mask"][idx].to(self.device),
+                                              None if replay is None else replay[idx])
+                    prox_all[j] = token_logprobs(logits, ids, temp)
+        for j, mb in enumerate(mbs):
+            m = self._train_minibatch(padded, adv, mb, replay, None if prox_all is None else prox_all[j])
+            for k, v in m.items():
+                agg[k] = agg.get(k, 0.0) + v / len(mbs)
+        metrics = {
+            **agg,
+            "learner/reward_mean": float(padded["reward"].mean()),
+            "learner/advantage_abs_mean": float(adv.abs().mean()),
+            "learner/trained_tokens": float(padded["loss_mask"].sum()),
+            "learner/trajectories": float(b_all),
+            "learner/compute_s": time.perf_counter() - t0,
+        }
+        if self.blocks:
+            metrics["moe/router_frozen"] = float(self.router.frozen)
+        return metrics
+
+    def _rank_rows(self, mb: list[int]) -> list[int]:
+        sl = self.my_slice(len(mb))
+        rows = mb[sl]
+        return rows if rows else mb[:1]  # an idle rank joins the collectives with a dummy row
+
+    def _train_minibatch(self, padded, adv, mb, replay, prox) -> dict[str, float]:
+        lc = self.cfg.learner
+        temp = self.cfg.rollout.temperature
+        idle = not mb[self.my_slice(len(mb))]
+        idx = self._rank_rows(mb)
+        ids = padded["input_ids"][idx].to(self.device)
+        attn = padded["attention_mask"][idx].to(self.device)
+        mask = padded["loss_mask"][idx].to(self.device) * (0.0 if idle else 1.0)
+        behav = padded["behaviour_logprobs"][idx].to(self.device)
+        a = adv[idx].to(self.device) * (0.0 if idle else 1.0)
+        g_mask = padded["loss_mask"][mb]
+        n_tok = float(g_mask.sum().clamp(min=1)) / self.world
+        n_seq = float(len(mb)) / self.world
+        norm_len = float(self.cfg.rollout.max_new_tokens)
+        logits, routers = self._forward(self.model, ids, attn, None if replay is None else replay[idx])
+        logp = token_logprobs(logits, ids, temp)
+        prox_logp = logp.detach() if prox is None else prox
+        pg_loss, stats = compute_policy_loss(lc, logp, prox_logp, behav, a, mask, n_tok, n_seq, norm_len)
         loss = pg_loss
-        aux = getattr(out, "aux_loss", None)
-        if aux is not None and cfg.aux_loss_coef > 0:
-            loss = loss + cfg.aux_loss_coef * aux
+        metrics = {"learner/loss": float(pg_loss.detach()) * self.world, "learner/clip_frac": stats["clip_frac"],
+                   "learner/is_weight_mean": stats["is_weight_mean"],
+                   "learner/is_truncated_frac": stats["is_truncated_frac"]}
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logits, _ = self._forward(self.ref_model, ids, attn)
+                ref_logp = token_logprobs(ref_logits, ids, temp)
+            kl = kl_term(lc, logp, ref_logp, mask, n_tok, n_seq, norm_len)
+            loss = loss + lc.kl_coef * kl
+            metrics["learner/kl_ref"] = float(kl.detach()) * self.world
+        if lc.entropy_coef > 0 or logits.shape[-1] <= 4096:
+            with torch.set_grad_enabled(lc.entropy_coef > 0):
+                ent = (token_entropy(logits[:, :-1], temp) * mask).sum() / n_tok
+            if lc.entropy_coef > 0:
+                loss = loss - lc.entropy_coef * ent
+            metrics["learner/entropy"] = float(ent.detach()) * self.world
+        if routers:
+            tok_mask = attn.reshape(-1).float() * (0.0 if idle else 1.0)
+            group = self.mesh.dp_group
+            aux = load_balancing_loss(routers, self.num_experts, self.top_k, tok_mask, group, scale=self.world)
+            metrics["moe/aux_loss"] = float(aux.detach()) / self.world
+            if lc.aux_loss_coef > 0:
+                loss = loss + lc.aux_loss_coef * aux
+            if lc.z_loss_coef > 0:
+                z = router_z_loss(routers, tok_mask, group, scale=self.world)
+                loss = loss + lc.z_loss_coef * z
+                metrics["moe/z_loss"] = float(z.detach()) / self.world
+            metrics.update(router_metrics(routers, self.top_k, tok_mask, group))
+            self.router.update_freeze(self.steps_done, metrics)
         self.optim.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.router.drop_grads()
+        grads = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(grads, lc.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optim.step()
+        if self.router.ema:
+            self.router.update_ema()
+        self.steps_done += 1
         with torch.no_grad():
             m = mask.bool()
             mismatch = float((behav - logp.detach())[m].abs().mean()) if m.any() else 0.0
-        metrics = {
-            "learner/loss": float(pg_loss.detach()) * self.world,
-            "learner/grad_norm": float(grad_norm),
-            "learner/reward_mean": float(padded["reward"].mean()),
-            "learner/advantage_abs_mean": float(adv.abs().mean()),
-            "learner/trained_tokens": total_tokens,
-            "learner/trajectories": float(padded["reward"].numel()),
-            "learner/clip_frac": stats["clip_frac"],
-            "learner/is_weight_mean": stats["is_weight_mean"],
-            "learner/is_truncated_frac": stats["is_truncated_frac"],
-            "learner/behaviour_logprob_abs_diff": mismatch,
-            "learner/compute_s": time.perf_counter() - t0,
-        }
-        if aux is not None:
-            metrics["moe/aux_loss"] = float(aux.detach())
-        metrics.update(moe_router_stats(getattr(out, "router_logits", None), self.top_k))
+        metrics["learner/grad_norm"] = float(grad_norm)
+        metrics["learner/behaviour_logprob_abs_diff"] = mismatch
         return metrics
 
-    def full_tensors(self) -> Iterator[torch.Tensor]:
-        """Full (unsharded) parameters one at a time, in ``param_specs`` order.
+    def evaluate_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Next-token log-probs [B, T-1] in eval mode: deterministic routing, no dropout."""
+        self.model.eval()
+        with torch.no_grad():
+            logits, _ = self._forward(self.model, ids.to(self.device), attn.to(self.device))
+        self.model.train()
+        return token_logprobs(logits, ids.to(self.device), self.cfg.rollout.temperature)
 
-        Every rank must iterate (each ``full_tensor()`` is a collective); only the consumer
-        on rank 0 keeps them, and only one at a time.
+    def full_tensors(self) -> Iterator[torch.Tensor]:
+        """Full (unsharded, all experts) parameters one at a time, in ``param_specs`` order.
+
+        Every rank must iterate (each gather is a collective); only the consumer on rank 0
+        keeps them, and only one at a time. With ``router_ema`` the routers are the EMA copies.
         """
-        for _, p in self.model.named_parameters():
-            t = p.data
-            if hasattr(t, "full_tensor"):
-                t = t.full_tensor()
-            yield t.detach()
+        ema = self.router.ema_state() if self.router.ema else {}
+        for name, p in self.model.named_parameters():
+            yield ema[name] if name in ema else full_parameter(name, p, self.mesh)
+
+    def router_ema_state(self) -> dict[str, torch.Tensor]:
+        """``{param_name: full EMA router tensor}`` for the publisher (empty when EMA is off)."""
+        return self.router.ema_state() if self.router.ema else {}

@@ -1,0 +1,84 @@
+"""The learner's objective: which policy loss and regularisers a config selects.
+
+``learner.loss`` names a preset; all share PPO-clip with clip-higher (``clip_low``,
+``clip_high``) and optional dual-clip, and differ in the off-policy correction of the gap
+between the proximal policy (the learner before this update) and the behaviour policy (the
+stale rollout weights that sampled the tokens):
+
+====================  ==========================================================================
+loss                  correction
+====================  ==========================================================================
+grpo_no_correction    none: ratio to the proximal policy only (ignores staleness)
+grpo_tis              token-level truncated IS ``min(pi_prox/mu, tis_cap)``
+grpo_mis              token-level masked IS (tokens with ``pi_prox/mu > tis_cap`` leave the loss)
+grpo_seq_tis          sequence-level truncated IS (product of token ratios, truncated)
+grpo_seq_mis          sequence-level masked IS
+decoupled_ppo         AReaL decoupled PPO: ratio to pi_prox, times ``pi_prox/mu`` masked above
+                      ``tis_cap`` (the behaviour/proximal split matters with ``minibatches > 1``)
+ppo_coupled           standard PPO with the behaviour policy as the old policy (no decoupling)
+gspo                  GSPO sequence ratio to pi_prox, times the sequence truncated IS weight
+====================  ==========================================================================
+"""
+from __future__ import annotations
+
+import torch
+
+from streamrl.algorithms.losses import gspo_loss, importance_weights, policy_loss
+from streamrl.algorithms.regularizers import kl_penalty
+from streamrl.algorithms.losses import aggregate
+from streamrl.config import LearnerConfig
+
+LOSSES: dict[str, dict] = {
+    "grpo_no_correction": {"is_mode": "none"},
+    "grpo_tis": {"is_mode": "token-tis"},
+    "grpo_mis": {"is_mode": "token-mis"},
+    "grpo_seq_tis": {"is_mode": "seq-tis"},
+    "grpo_seq_mis": {"is_mode": "seq-mis"},
+    "decoupled_ppo": {"is_mode": "token-mis"},
+    "ppo_coupled": {"is_mode": "none", "coupled": True},
+    "gspo": {},
+}
+
+
+def compute_policy_loss(
+    cfg: LearnerConfig,
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    num_tokens: float,
+    num_seqs: float,
+    norm_len: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy loss for ``cfg.loss`` on one rank's slice, normalised by global counts.
+
+    Args:
+        logp, prox_logp, behav_logp, mask: [B, T]; advantages: [B].
+        num_tokens, num_seqs: global counts divided by the data-parallel size (FSDP averages
+            gradients over ranks, so each rank's share is scaled up by the world size).
+        norm_len: the Dr.GRPO constant of ``seq-mean-token-sum-norm`` (max response length).
+    """
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"learner.loss = {cfg.loss!r} unknown; known: {sorted(LOSSES)}")
+    if cfg.loss == "gspo":
+        w, raw = importance_weights(prox_logp, behav_logp, mask, "seq-tis", cfg.tis_cap)
+        loss, st = gspo_loss(logp, prox_logp, advantages, mask, cfg.gspo_clip_low, cfg.gspo_clip_high,
+                             num_seqs=num_seqs, seq_weight=w[:, 0])
+        m = mask.bool()
+        st["is_weight_mean"] = float(raw[m].mean()) if m.any() else 1.0
+        st["is_truncated_frac"] = float((raw[:, 0] > cfg.tis_cap).float().mean())
+        return loss, st
+    preset = LOSSES[cfg.loss]
+    return policy_loss(
+        logp, prox_logp, behav_logp, advantages, mask,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,
+        is_mode=preset["is_mode"], is_cap=cfg.tis_cap, coupled=preset.get("coupled", False),
+        agg=cfg.agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len,
+    )
+
+
+def kl_term(cfg: LearnerConfig, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
+            num_tokens: float, num_seqs: float, norm_len: float) -> torch.Tensor:
+    """KL(pi || pi_ref) estimate aggregated like the policy loss."""
+    return aggregate(kl_penalty(logp, ref_logp, cfg.kl_estimator), mask, cfg.agg, num_tokens, num_seqs, norm_len)

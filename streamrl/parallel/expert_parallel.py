@@ -1,0 +1,96 @@
+"""Apply expert parallelism and FSDP2 to a transformers causal LM, and gather it back.
+
+:func:`parallelize` (torchtitan's order: experts first, then blocks, then the root):
+
+1. swap every sparse-MoE block for an :class:`~streamrl.models.moe.EPMoEBlock` holding this
+   rank's ``E / ep`` experts;
+2. ``fully_shard`` each rank's experts over the ``dp_shard`` ranks that hold the same experts
+   (when ``ep > 1``), with the 1/ep gradient scale that makes the all-to-all gradient sum a
+   per-rank average;
+3. ``fully_shard`` every decoder layer, then the whole model, over all ranks (dense params);
+   bf16 parameters with fp32 gradient reduction on GPU when mixed precision is on.
+
+:func:`full_parameters` yields full, global tensors one at a time (FSDP all-gather, then an
+all-gather of expert slices over ``ep``) for weight publishing.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from streamrl.models.moe import EPMoEBlock, convert_moe_blocks
+from streamrl.parallel.mesh import LearnerMesh
+
+EXPERT_PARAM_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def is_expert_param(name: str) -> bool:
+    """True for the (ep-sharded) routed-expert tensors."""
+    return name.endswith(EXPERT_PARAM_SUFFIXES)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (FSDP units)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"model {type(model).__name__} has no .model.layers; cannot shard it per layer")
+    return list(layers)
+
+
+def parallelize(model: nn.Module, mesh: LearnerMesh, device: torch.device, experts_impl: str = "auto",
+                mixed_precision: bool = True) -> list[EPMoEBlock]:
+    """Convert MoE blocks to expert parallel and shard with FSDP2 (in place). Returns the blocks."""
+    impl = experts_impl
+    if impl == "auto":
+        impl = "grouped_mm" if device.type == "cuda" else "loop"
+    ep = mesh.dims.ep
+    blocks = convert_moe_blocks(model, mesh.ep_rank, ep, mesh.ep_group, impl)
+    model.to(device)
+    if mesh.dims.world == 1:
+        return blocks
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy()
+    if device.type == "cuda" and mixed_precision:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if ep > 1:
+        for b in blocks:
+            b.experts.grad_scale = 1.0 / ep
+            fully_shard(b.experts, mesh=mesh.expert_fsdp_mesh, mp_policy=mp)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh.dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh.dp_mesh, mp_policy=mp)
+    return blocks
+
+
+def global_param_specs(model: nn.Module, ep: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, global shape) of every parameter, in ``named_parameters`` order."""
+    specs = []
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        if is_expert_param(name):
+            shape[0] *= ep
+        specs.append((name, p.dtype, tuple(shape)))
+    return specs
+
+
+def full_parameter(name: str, p: torch.Tensor, mesh: LearnerMesh) -> torch.Tensor:
+    """The full global tensor of one parameter (a collective on every rank)."""
+    t = p.data
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    if mesh.dims.ep > 1 and is_expert_param(name):
+        parts = [torch.empty_like(t) for _ in range(mesh.dims.ep)]
+        dist.all_gather(parts, t.contiguous(), group=mesh.ep_group)
+        t = torch.cat(parts, 0)
+    return t.detach()
+
+
+def full_parameters(model: nn.Module, mesh: LearnerMesh) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) one at a time; every rank must iterate to the end."""
+    for name, p in model.named_parameters():
+        yield name, full_parameter(name, p, mesh)
