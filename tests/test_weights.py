@@ -274,3 +274,30 @@ def test_gloo_collective_plane(redis_url, run_id):
         sub.close()
     finally:
         pub.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_nccl_collective_plane(redis_url, run_id):
+    """NCCL broadcast from cuda:0 (publisher) to cuda:1 (subscriber); needs 2 GPUs (one
+    NCCL communicator cannot hold two ranks on one device)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="nccl", bucket_bytes=8192, collective_world=2, device="cuda:0")
+    try:
+        sub = WeightSubscriber(Coordinator(redis_url, run_id), collective_rank=1, device="cuda:1")
+        tensors = [t.to("cuda:0") for t in make_tensors(30)]
+        th = threading.Thread(target=pub.publish, args=(0, SPECS, iter(tensors)))
+        th.start()
+        got = None
+        deadline = time.monotonic() + 60
+        while got is None and time.monotonic() < deadline:
+            if coord.pending_version() >= 0:
+                got = sub.fetch(0)
+            time.sleep(0.01)
+        th.join(timeout=60)
+        check_equal(((n, t.cpu()) for n, t in got), make_tensors(30))
+        sub.close()
+    finally:
+        pub.close()

@@ -126,13 +126,15 @@ def raw_zmq_s(nbytes: int, msg_bytes: int, reps: int = 2) -> float:
     count = -(-nbytes // msg_bytes)
     proc = subprocess.Popen([sys.executable, "-m", "streamrl.bench.weights", "--raw-sink",
                              f"{port},{dport},{count},{reps + 1}"])
+    msg_bytes = min(msg_bytes, nbytes)
     payload = bytearray(msg_bytes)
     best = float("inf")
     try:
         for r in range(reps + 1):  # the first round warms up the connection
             t = time.perf_counter()
-            for _ in range(count):
-                push.send(payload, copy=False)
+            for k in range(count):  # same bytes as the model: full messages, then the remainder
+                last = k == count - 1 and nbytes % msg_bytes
+                push.send(bytearray(nbytes % msg_bytes) if last else payload, copy=False)
             if not done.poll(120_000):
                 raise TimeoutError("raw zmq sink did not answer")
             done.recv()
