@@ -3,11 +3,16 @@
 The loop never waits for the learner except through admission control: before each batch
 the worker reserves capacity in Redis (at most ``max_staleness`` versions ahead of what the
 learner accepts). After reserving it loads the newest published weights, so with
-``max_staleness=0`` every sample is on-policy (the synchronous baseline).
+``max_staleness=0`` every sample is on-policy (the synchronous baseline). Weights change
+only between batches, so every token of a batch carries that batch's version exactly.
+
+:class:`BatchRoller` is the Redis-free part (prompts -> engine -> rewards -> packed
+trajectories); the benchmark drives it directly.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import signal
 import socket
@@ -16,13 +21,15 @@ import time
 
 import torch
 
-from streamrl.config import config_from_dict
+from streamrl.config import Config, config_from_dict
 from streamrl.coord.coordinator import Coordinator
-from streamrl.engines.hf import HFEngine
+from streamrl.engines.factory import build_engine
+from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.metrics import RateLimitedRedisSink
 from streamrl.models.factory import load_model_and_tokenizer
+from streamrl.rewards import build_reward
 from streamrl.tasks import get_task
-from streamrl.tasks.registry import problem_stream
+from streamrl.tasks.sources import prompt_source
 from streamrl.trajectory import make_id, pack_trajectories
 from streamrl.transport.channel import TrajectorySender
 from streamrl.utils import limit_threads, setup_logging
@@ -31,6 +38,69 @@ from streamrl.weights.shm import ChecksumError, ShmWeightSubscriber
 HEARTBEAT_S = 1.0
 # A restarted worker gets a new incarnation; ids carry it so they never repeat.
 INCARNATION_BITS = 28
+
+
+class PromptEncoder:
+    """Text -> prompt token ids, through the chat template for instruct models."""
+
+    def __init__(self, tok, chat_template: bool):
+        self.tok = tok
+        self.chat = chat_template and getattr(tok, "chat_template", None) is not None
+
+    def __call__(self, text: str, raw: bool = False) -> list[int]:
+        if self.chat and not raw:
+            ids = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            return list(ids)
+        return self.tok.encode(text, add_special_tokens=False)
+
+
+class BatchRoller:
+    """One batch: ``prompts_per_batch`` problems x ``group_size`` samples, scored and packed."""
+
+    def __init__(self, cfg: Config, engine, tok, problems, worker_id: int = 0, next_id=None):
+        self.cfg, self.engine, self.tok, self.problems, self.wid = cfg, engine, tok, problems, worker_id
+        self.encode = PromptEncoder(tok, cfg.rollout.chat_template)
+        self.task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
+        rc = cfg.rollout
+        self.reward = build_reward(rc.rewards, self.task, rc.reward_model, rc.reward_model_device)
+        self._counter = 0
+        self._next_id = next_id or self._local_id
+
+    def _local_id(self) -> int:
+        self._counter += 1
+        return make_id(self.wid, self._counter)
+
+    def rollout_batch(self, version: int):
+        """Generate, score and pack one batch; every token is stamped with ``version``."""
+        rc = self.cfg.rollout
+        started = time.time()
+        problems = [next(self.problems) for _ in range(rc.prompts_per_batch)]
+        prompt_ids = [self.encode(p.prompt) for p in problems]
+        flat_prompts = [ids for ids in prompt_ids for _ in range(rc.group_size)]
+        gen = self.engine.generate(flat_prompts, rc.max_new_tokens, rc.temperature)
+        texts = self.tok.batch_decode(gen.tokens, skip_special_tokens=True)
+        flat_problems = [p for p in problems for _ in range(rc.group_size)]
+        rewards, components = self.reward.score(flat_problems, texts)
+        group_ids, traj_ids = [], []
+        for _ in problems:
+            gid = self._next_id()
+            for _ in range(rc.group_size):
+                group_ids.append(gid)
+                traj_ids.append(self._next_id())
+        versions = [[version] * len(t) for t in gen.tokens]
+        optional = {"started_at": started, "reward_components": components, "routed_experts": gen.routed_experts}
+        # optional trajectory fields as far as this checkout's trajectory contract knows them
+        optional = {k: v for k, v in optional.items() if k in _PACK_PARAMS and v is not None}
+        td = pack_trajectories(flat_prompts, gen.tokens, gen.logprobs, versions, rewards, group_ids, traj_ids,
+                               self.wid, time.time(), **optional)
+        if gen.routed_experts is not None and "routed_experts" not in optional:
+            td["routed_experts"] = torch.cat(gen.routed_experts).to(torch.int16)  # [sum_resp, L, k]
+        return td
+
+
+_PACK_PARAMS = set(inspect.signature(pack_trajectories).parameters)
 
 
 def parse_args(argv=None):
@@ -54,15 +124,24 @@ class RolloutWorker:
         if stored is None:
             raise RuntimeError(f"no config in Redis for run {args.run_id}")
         self.cfg = cfg = config_from_dict(stored)
-        if args.device:
+        if getattr(args, "device", None):
             cfg.rollout.device = args.device
         self.incarnation = int(self.coord.r.incr(f"streamrl:{args.run_id}:incarnation:{self.wid}"))
         torch.manual_seed(hash((cfg.run.seed, self.wid, self.incarnation)) & 0x7FFFFFFF)
         model, self.tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
-        self.engine = HFEngine(model, self.tok, cfg.rollout.device)
-        self.task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
-        self.problems = problem_stream(self.task, cfg.run.seed * 7919 + self.incarnation,
-                                       self.wid, max(args.num_workers, self.wid + 1))
+        self.engine = build_engine(cfg, model, self.tok)
+        self.reference = None  # learner-side HF model for the parity check
+        if cfg.rollout.parity_probes > 0:
+            from streamrl.engines.hf import HFEngine
+
+            ref_model = model if cfg.rollout.engine != "hf" else load_model_and_tokenizer(cfg.model, cfg.run.seed)[0]
+            self.reference = HFEngine(ref_model, self.tok)
+        task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
+        problems = prompt_source(task, cfg.rollout.prompt_file, cfg.run.seed * 7919 + self.incarnation,
+                                 self.wid, max(args.num_workers, self.wid + 1))
+        self.roller = BatchRoller(cfg, self.engine, self.tok, problems, self.wid, self._next_id)
+        self.probes = (probe_set(task, self.roller.encode, cfg.rollout.parity_probes, cfg.run.seed)
+                       if self.reference is not None else None)
         self.subscriber = ShmWeightSubscriber(self.coord)
         self.metrics = RateLimitedRedisSink(self.coord, f"rollout-{self.wid}")
         self.counter = 0
@@ -74,7 +153,7 @@ class RolloutWorker:
         return make_id(self.wid, (self.incarnation << INCARNATION_BITS) | self.counter)
 
     def sync_weights(self) -> float:
-        """Load the newest version if there is one; returns seconds spent."""
+        """Load the newest version if there is one (and check parity); returns seconds spent."""
         v = self.subscriber.newer_version()
         if v is None:
             return 0.0
@@ -86,14 +165,26 @@ class RolloutWorker:
             return time.perf_counter() - t0
         if tensors is None:  # superseded while we looked; next round finds the newer one
             return 0.0
+        if self.reference is not None:
+            tensors = list(tensors)  # two consumers
+            self.reference.load_weights(tensors)
         self.engine.load_weights(tensors)
         self.subscriber.mark_loaded(self.wid, v)
-        return time.perf_counter() - t0
+        load_s = time.perf_counter() - t0
+        if self.probes is not None:
+            self.metrics.write({**self.parity(), "rollout/parity_version": v})
+        return load_s
+
+    def parity(self) -> dict[str, float]:
+        """``rollout/mismatch_kl`` etc. between engine and HF reference on the probe set."""
+        seqs, starts = self.probes
+        return mismatch_metrics(self.engine.score(seqs, starts), self.reference.score(seqs, starts))
 
     def heartbeat(self, state: str) -> None:
         self.coord.heartbeat(self.wid, {
             "host": self.host, "pid": os.getpid(), "device": self.cfg.rollout.device,
             "version": self.subscriber.loaded_version, "state": state, "incarnation": self.incarnation,
+            "engine": self.cfg.rollout.engine,
         })
 
     def run(self) -> int:
@@ -101,7 +192,7 @@ class RolloutWorker:
         rc = cfg.rollout
         endpoint = self.coord.wait_endpoint("trajectories")
         sender = TrajectorySender(endpoint, self.wid, hwm=cfg.transport.hwm)
-        self.log.info("connected to %s (incarnation %d)", endpoint, self.incarnation)
+        self.log.info("connected to %s (incarnation %d, engine %s)", endpoint, self.incarnation, rc.engine)
         last_hb = 0.0
         gen_tokens = trajectories = 0
         wait_s = 0.0
@@ -123,7 +214,7 @@ class RolloutWorker:
                     time.sleep(0.05)
                     continue
                 t_gen = time.perf_counter()
-                td = self.rollout_batch()
+                td = self.roller.rollout_batch(self.subscriber.loaded_version)
                 gen_s = time.perf_counter() - t_gen
                 while not sender.send(td, timeout_s=1.0):  # blocked by backpressure
                     if self.coord.stop_reason() is not None or self.stopping:
@@ -146,29 +237,9 @@ class RolloutWorker:
         finally:
             sender.close()
             self.metrics.close()
+            self.engine.close()
         self.log.info("stopping: %s; sent %d trajectories", self.coord.stop_reason() or "signal", trajectories)
         return 0
-
-    def rollout_batch(self):
-        """Generate one group per prompt for ``prompts_per_batch`` prompts and score them."""
-        rc = self.cfg.rollout
-        version = self.subscriber.loaded_version
-        problems = [next(self.problems) for _ in range(rc.prompts_per_batch)]
-        prompt_ids = [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]
-        flat_prompts = [ids for ids in prompt_ids for _ in range(rc.group_size)]
-        gen = self.engine.generate(flat_prompts, rc.max_new_tokens, rc.temperature)
-        rewards, group_ids, traj_ids = [], [], []
-        for i, problem in enumerate(problems):
-            gid = self._next_id()
-            for j in range(rc.group_size):
-                k = i * rc.group_size + j
-                text = self.tok.decode(gen.tokens[k], skip_special_tokens=True)
-                rewards.append(float(self.task.reward(problem, text)))
-                group_ids.append(gid)
-                traj_ids.append(self._next_id())
-        versions = [[version] * len(t) for t in gen.tokens]
-        return pack_trajectories(flat_prompts, gen.tokens, gen.logprobs, versions, rewards,
-                                 group_ids, traj_ids, self.wid, time.time())
 
 
 def main(argv=None) -> int:

@@ -53,17 +53,11 @@ class CheckpointNameAdapter:
     def __call__(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         from transformers.core_model_loading import revert_weight_conversion
 
-        return revert_weight_conversion(self._meta, dict(named))
-
-
-def _external_adapter(folder: str):
-    """The weights package's adapter when it provides one (``streamrl.weights.adapter``)."""
-    try:
-        from streamrl.weights import adapter as mod  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    factory = getattr(mod, "vllm_adapter", None)
-    return factory(folder) if callable(factory) else None
+        try:  # a publisher may already have split experts (streamrl.weights.adapter, "vllm" target)
+            from streamrl.weights.adapter import unadapt
+        except ImportError:  # pragma: no cover - the weights package is optional here
+            unadapt = dict
+        return revert_weight_conversion(self._meta, unadapt(named))
 
 
 class VLLMEngine:
@@ -102,7 +96,7 @@ class VLLMEngine:
         )
         self.tok = self.llm.get_tokenizer()
         self.eos_id = self.tok.eos_token_id
-        self._adapter = _external_adapter(self.folder) or CheckpointNameAdapter(self.folder)
+        self._adapter = CheckpointNameAdapter(self.folder)
         self.updates = 0
 
     # -- generation ------------------------------------------------------------------------

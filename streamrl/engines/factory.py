@@ -1,0 +1,50 @@
+"""Build the configured generation engine (``rollout.engine``) for a model.
+
+vLLM reads an HF folder, so the tiny random model (``model.path`` empty) is saved once to
+a temporary folder first; it is built from the run seed, so it equals the learner's
+initial weights exactly.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from streamrl.config import Config
+
+ENGINES = ("hf", "vllm")
+
+
+def model_folder(cfg: Config, model=None, tok=None) -> str:
+    """An HF folder holding the configured model (saving the tiny model if needed)."""
+    if cfg.model.path:
+        return cfg.model.path
+    from streamrl.models.factory import build_model, save_model
+
+    if model is None:
+        model, tok = build_model(cfg.model, seed=cfg.run.seed)
+    folder = Path(tempfile.mkdtemp(prefix="streamrl-model-"))
+    save_model(model, tok, folder)
+    return str(folder)
+
+
+def build_engine(cfg: Config, model=None, tok=None):
+    """The engine named by ``cfg.rollout.engine``.
+
+    ``model``/``tok`` (from :func:`streamrl.models.factory.load_model_and_tokenizer`) are
+    used by the ``hf`` engine, and by ``vllm`` only to save the tiny model.
+    """
+    rc = cfg.rollout
+    if rc.engine == "hf":
+        from streamrl.engines.hf import HFEngine
+        from streamrl.models.factory import load_model_and_tokenizer
+
+        if model is None:
+            model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
+        return HFEngine(model, tok, rc.device, record_routing=rc.record_routing)
+    if rc.engine == "vllm":
+        from streamrl.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_folder(cfg, model, tok), dtype=cfg.model.dtype,
+                          kv_cache_bytes=rc.kv_cache_mb << 20, max_model_len=rc.max_model_len,
+                          seed=cfg.run.seed, gpu_memory_utilization=rc.gpu_memory_utilization)
+    raise ValueError(f"rollout.engine = {rc.engine!r}: must be one of {ENGINES}")
