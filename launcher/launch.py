@@ -125,8 +125,10 @@ class Launch:
         return cmd
 
     def rollout_cmd(self, url: str, wid: int, num_workers: int, device: str) -> list[str]:
-        return [sys.executable, "-m", "streamrl.workers.rollout", "--redis-url", url, "--run-id", self.run_id,
-                "--worker-id", str(wid), "--num-workers", str(num_workers), "--device", device]
+        cmd = [sys.executable, "-m", "streamrl.workers.rollout", "--redis-url", url, "--run-id", self.run_id,
+               "--worker-id", str(wid), "--num-workers", str(num_workers)]
+        # The stored config's rollout.device serves every worker it fits; --device only where it differs.
+        return cmd + (["--device", device] if device != self.cfg.rollout.device else [])
 
 
 def _overrides(args) -> list[str]:
@@ -186,6 +188,8 @@ def prepare(args) -> Launch:
     head = plan.learner is not None and plan.learner_node_rank == 0
     if plan.learner is not None:
         cfg.learner.device = plan.learner.device_arg  # ranks take cuda:LOCAL_RANK of their visible GPUs
+    if head and plan.rollouts and len({r.device_arg for r in plan.rollouts}) == 1:
+        cfg.rollout.device = plan.rollouts[0].device_arg  # after CUDA_VISIBLE_DEVICES renumbering
         if plan.learner_nnodes > 1 and not args.master_addr:
             raise LaunchError(f"--master-addr is required: learner ranks span nodes {plan.learner_nodes}")
     if args.redis_url:

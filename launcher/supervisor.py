@@ -114,6 +114,7 @@ class Supervisor:
                              f"in {r.backoff_s * 2 ** (r.restarts - 1):.0f} s")
                 else:
                     self.say(f"{r.name} exited with {code}; no restarts left")
+                    r.proc = None  # given up: its exit codes are recorded
             if r.restart_due():
                 r.start()
         if self.rollers and all(r.proc is None and not r.restarting and r.parked_since is None for r in self.rollers):

@@ -37,7 +37,7 @@ def test_single_node_dry_run_commands_parse_with_the_real_entry_points(capsys, r
     assert largs.run_id == out["run_id"] and largs.bind_host == "127.0.0.1"
     for p in out["processes"][1:]:
         rargs = rollout.parse_args(p["cmd"][p["cmd"].index("streamrl.workers.rollout") + 1:])
-        assert rargs.device == "cpu" and rargs.num_workers == 4
+        assert rargs.num_workers == 4 and "--device" not in p["cmd"]  # config's rollout.device fits
         assert p["env"]["CUDA_VISIBLE_DEVICES"] == ""
     assert out["endpoints"]["learner_rendezvous"] == "standalone (local)"
 
@@ -94,3 +94,21 @@ def test_placement_in_config_file_is_checked(capsys, tmp_path, repo):
     err = error(capsys, "--config", str(cfg))
     # this CPU machine has no GPU: the error names the device and the count
     assert "placement.learner: cuda:0 needs 1 GPU(s), but this host has 0" in err
+
+
+def test_gpu_placement_reaches_processes_through_env_and_flags(capsys, monkeypatch):
+    """On a (pretend) 4-GPU host: learner ranks on GPUs 0-1, workers on 2 and 3 and one on CPU."""
+    monkeypatch.setattr(launch, "_gpu_info", lambda cfg: (4, ["4", "5", "6", "7"]))
+    out = dry(capsys, "--place", "learner=cuda:0-1", "--place", "rollout=cuda:2,cuda:3,cpu", "--rollers", "3")
+    lrn, *rolls = out["processes"]
+    assert torchrun_args(lrn["cmd"]) == ["--standalone", "--nproc-per-node=2"]
+    assert lrn["env"]["CUDA_VISIBLE_DEVICES"] == "4,5" and "STREAMRL_BACKEND" not in lrn["env"]
+    assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in rolls] == ["6", "7", ""]
+    # --device only where the stored rollout.device ('cpu' here: the devices are mixed) does not fit
+    assert [r["cmd"][r["cmd"].index("--device") + 1] if "--device" in r["cmd"] else "cpu" for r in rolls] == [
+        "cuda:0", "cuda:0", "cpu"]
+    assert "--device" not in rolls[2]["cmd"]
+    err = error(capsys, "--place", "learner=cuda:0-1", "--place", "rollout=cuda:1")
+    assert "cuda:1 on node 0 is used by learner and rollout" in err
+    out = dry(capsys, "--place", "learner=cuda:0-1", "--place", "rollout=cuda:1", "--colocate", "learner,rollout")
+    assert out["placement"]["colocate"] == [["learner", "rollout"]]
