@@ -312,6 +312,38 @@ class PlacementConfig:
 
 
 @dataclass
+class WeightsConfig:
+    data_plane: str = "auto"
+    """Weights data plane: auto (shm on the learner's host, else zmq), shm, zmq, nccl, gloo."""
+    bucket_mb: int = 64
+    """Bucket size in MiB: unit of gather, transfer, checksum and re-fetch (peak extra memory)."""
+    keep_versions: int = 3
+    """Published versions kept in Redis and in the store before garbage collection."""
+    checksum: str = "sum64"
+    """Bucket checksum: sum64 (memory speed) or crc32 (stronger, ~6x slower)."""
+    target: str = "hf"
+    """Engine naming/layout: hf (transformers names) or vllm (per-expert MoE weights)."""
+    zmq_streams: int = 2
+    """Parallel ZeroMQ streams (DEALER sockets) per subscriber."""
+    router_ema: float = 0.0
+    """Decay of the published router-weight EMA; 0 publishes the raw router weights."""
+    collective_world: int = 0
+    """nccl/gloo planes: publisher + subscribers in the fixed broadcast group."""
+
+    def validate(self, p: str) -> None:
+        _check(self.data_plane in ("auto", "shm", "zmq", "nccl", "gloo"), f"{p}.data_plane", self.data_plane,
+               "must be auto, shm, zmq, nccl or gloo")
+        _check(self.bucket_mb >= 1, f"{p}.bucket_mb", self.bucket_mb, "must be >= 1")
+        _check(self.keep_versions >= 1, f"{p}.keep_versions", self.keep_versions, "must be >= 1")
+        _check(self.checksum in ("sum64", "crc32"), f"{p}.checksum", self.checksum, "must be sum64 or crc32")
+        _check(self.target in ("hf", "vllm"), f"{p}.target", self.target, "must be hf or vllm")
+        _check(self.zmq_streams >= 1, f"{p}.zmq_streams", self.zmq_streams, "must be >= 1")
+        _check(0.0 <= self.router_ema < 1.0, f"{p}.router_ema", self.router_ema, "must be in [0, 1)")
+        _check(self.data_plane not in ("nccl", "gloo") or self.collective_world >= 2, f"{p}.collective_world",
+               self.collective_world, "must be >= 2 for the nccl/gloo planes")
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -321,6 +353,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

@@ -301,3 +301,23 @@ def test_nccl_collective_plane(redis_url, run_id):
         sub.close()
     finally:
         pub.close()
+
+
+@pytest.mark.timeout(60)
+def test_factory_from_config(redis_url, run_id):
+    from streamrl.config import load_config
+    from streamrl.weights.factory import make_publisher, make_router_ema, make_subscriber
+
+    cfg = load_config(None, ["weights.data_plane=zmq", "weights.target=vllm", "weights.bucket_mb=1",
+                             "weights.router_ema=0.9"])
+    coord = Coordinator(redis_url, run_id)
+    pub = make_publisher(coord, run_id, cfg)
+    try:
+        assert make_router_ema(cfg).decay == 0.9
+        pub.publish(0, SPECS, iter(make_tensors(40)))
+        sub = make_subscriber(coord, cfg, worker_id=0)
+        assert sub.plane == "zmq"
+        check_equal(sub.fetch(0), make_tensors(40), "vllm")
+        sub.close()
+    finally:
+        pub.close()

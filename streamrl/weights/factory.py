@@ -1,0 +1,52 @@
+"""Build the publisher / subscriber a run's config asks for (``weights`` config section).
+
+Learner rank 0::
+
+    publisher = make_publisher(coord, run_id, cfg, bind_host=args.bind_host, advertise_host=adv)
+    publisher.publish(version, trainer.param_specs, trainer.full_tensors(), overrides=ema.overrides())
+
+Rollout worker::
+
+    subscriber = make_subscriber(coord, cfg, worker_id=wid)
+    v = subscriber.newer_version()            # newest complete version, or None
+    tensors = subscriber.fetch(v)             # verified (name, tensor) iterator, None if gone
+    engine.load_weights(tensors); subscriber.mark_loaded(wid, v)   # or subscriber.load(engine, wid)
+
+``auto`` publishes to the shared-memory store *and* serves it over ZeroMQ; each subscriber
+maps the file when it runs on the learner's host and uses ZeroMQ otherwise.
+"""
+from __future__ import annotations
+
+from streamrl.coord.coordinator import Coordinator
+from streamrl.weights.adapter import RouterEma
+from streamrl.weights.publisher import WeightPublisher
+from streamrl.weights.subscriber import WeightSubscriber
+
+
+def make_publisher(coord: Coordinator, run: str, cfg=None, bind_host: str = "127.0.0.1",
+                   advertise_host: str | None = None, device: str | None = None) -> WeightPublisher:
+    """A :class:`WeightPublisher` configured from ``cfg.weights`` (defaults when absent)."""
+    w = getattr(cfg, "weights", None)
+    if w is None:
+        return WeightPublisher(coord, run, bind_host=bind_host, advertise_host=advertise_host)
+    return WeightPublisher(coord, run, plane=w.data_plane, bucket_bytes=w.bucket_mb << 20, keep=w.keep_versions,
+                           checksum=w.checksum, target=w.target, bind_host=bind_host,
+                           advertise_host=advertise_host, collective_world=w.collective_world, device=device)
+
+
+def make_subscriber(coord: Coordinator, cfg=None, worker_id: int | None = None,
+                    device: str = "cpu") -> WeightSubscriber:
+    """A :class:`WeightSubscriber` configured from ``cfg.weights``; ``worker_id`` gives the
+    collective rank (``worker_id + 1``) for the nccl/gloo planes."""
+    w = getattr(cfg, "weights", None)
+    if w is None:
+        return WeightSubscriber(coord)
+    plane = w.data_plane if w.data_plane in ("shm", "zmq") else "auto"
+    rank = None if worker_id is None else worker_id + 1
+    return WeightSubscriber(coord, plane=plane, streams=w.zmq_streams, collective_rank=rank, device=device)
+
+
+def make_router_ema(cfg=None) -> RouterEma | None:
+    """The router EMA the config asks for (``weights.router_ema > 0``), else None."""
+    w = getattr(cfg, "weights", None)
+    return RouterEma(w.router_ema) if w is not None and w.router_ema > 0 else None
