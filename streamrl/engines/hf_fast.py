@@ -31,6 +31,7 @@ On CPU the same loop runs eagerly; greedy decoding gives the same tokens as ``ge
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import deque
 from typing import Iterable
 
@@ -136,9 +137,14 @@ class FastHFEngine:
             ``max_position_embeddings``, capped at 4096).
         top_k / top_p: truncation of the sampling distribution (0 / 1.0 = off).
         cuda_graphs: capture the decode step (default: on for CUDA devices).
+        compile: run the decode step through ``torch.compile`` (inductor fuses the ~1,000 small
+            kernels of a step: norms, rotary, router, sampling) before capturing it (default: on
+            with graphs; falls back to the plain step if compilation fails).
         span_bucket: attended cache span is rounded up to a multiple of this (one graph each).
         sync_every: decode steps between reads of the ``done`` flags (refill granularity).
-        experts_implementation: ``config._experts_implementation`` used inside this engine.
+        experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
+            ``grouped_mm`` on CUDA in bf16/fp16, ``batched_mm`` on CUDA in fp32 (torch's grouped
+            GEMM is bf16-only there and its fallback syncs), the model's own setting on CPU.
     """
 
     name = "hf"
@@ -146,8 +152,8 @@ class FastHFEngine:
     def __init__(self, model, tokenizer=None, device: str = "cpu", batch_size: int = 64,
                  max_seq_len: int | None = None, top_k: int = 0, top_p: float = 1.0,
                  record_routing: bool = False, cuda_graphs: bool | None = None, span_bucket: int = 128,
-                 sync_every: int = 8, experts_implementation: str | None = "grouped_mm",
-                 eos_token_id: int | None = None):
+                 sync_every: int = 8, experts_implementation: str | None = "auto",
+                 eos_token_id: int | None = None, compile: bool | None = None):
         for field, value, ok in (("batch_size", batch_size, batch_size > 0), ("top_k", top_k, top_k >= 0),
                                  ("top_p", top_p, 0.0 < top_p <= 1.0), ("span_bucket", span_bucket, span_bucket > 0),
                                  ("sync_every", sync_every, sync_every > 0)):
@@ -167,9 +173,14 @@ class FastHFEngine:
         self.max_len = max_seq_len or min(getattr(cfg, "max_position_embeddings", 4096), 4096)
         self.span_bucket, self.sync_every = span_bucket, sync_every
         self.graphs_on = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
-        self.experts_impl = experts_implementation
+        self.compile = self.graphs_on if compile is None else compile
+        self._decode_fn = self._decode
         self._params = dict(model.named_parameters())
         dtype = next(model.parameters()).dtype
+        if experts_implementation == "auto":
+            experts_implementation = None if self.device.type != "cuda" else (
+                "batched_mm" if dtype == torch.float32 else "grouped_mm")
+        self.experts_impl = experts_implementation
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dev, b, s = self.device, batch_size, self.max_len
         self.cache = StaticKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev)
@@ -258,8 +269,11 @@ class FastHFEngine:
         if self.routers:
             self._route_at = (self.rows, self.pos)
         pos_ids = self.pos[:, None]
-        mask = (self.positions[:span][None, :] <= pos_ids)[:, None, None, :]  # [B, 1, 1, span]
-        x = self._layers(self.embed(self.tok[:, None]), mask, pos_ids)
+        x = self.embed(self.tok[:, None])
+        # Additive mask built once per step (a bool mask is converted again in every layer).
+        allowed = (self.positions[:span][None, :] <= pos_ids)[:, None, None, :]  # [B, 1, 1, span]
+        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
+        x = self._layers(x, mask, pos_ids)
         self._route_at = None
         logits = self.lm_head(self.norm(x[:, -1])).float()
         tok, lp = sample_tokens(logits, None if greedy else self.temp, self.top_k, self.top_p)
@@ -275,7 +289,7 @@ class FastHFEngine:
 
     def _step(self, span: int, greedy: bool) -> None:
         if not self.graphs_on:
-            self._decode(span, greedy)
+            self._decode_fn(span, greedy)
             return
         key = (span, greedy)
         if key not in self.graphs:
@@ -286,11 +300,24 @@ class FastHFEngine:
         """Warm up on a side stream (state saved and restored), then capture one decode step."""
         state = [self.tok, self.pos, self.gen, self.done, self.out_tok, self.out_lp]
         saved = [t.clone() for t in state]
+        if self.compile and self._decode_fn is self._decode:
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+            self._decode_fn = torch.compile(self._decode, dynamic=False)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self._decode(span, greedy)
+            try:
+                self._decode_fn(span, greedy)
+            except Exception as e:  # noqa: BLE001 - compilation is an optimisation only
+                if self._decode_fn is self._decode:
+                    raise
+                warnings.warn(f"FastHFEngine: torch.compile of the decode step failed ({e!r}); using the plain step")
+                self._decode_fn = self._decode
+                self.compile = False
+                for t, v in zip(state, saved):
+                    t.copy_(v)
+                self._decode_fn(span, greedy)
+            self._decode_fn(span, greedy)
         torch.cuda.current_stream().wait_stream(side)
         for t, v in zip(state, saved):
             t.copy_(v)
@@ -298,7 +325,7 @@ class FastHFEngine:
         # One pool for all graphs: no graph output outlives its replay (all writes go to the
         # persistent buffers above), so the graphs can share intermediates in any order.
         with torch.cuda.graph(graph, pool=self._pool):
-            self._decode(span, greedy)
+            self._decode_fn(span, greedy)
         self._pool = graph.pool()
         self.captures += 1
         return graph
