@@ -1,0 +1,201 @@
+"""``streamrl-bench rollout``: the worker loop's tokens/s against the bare engine, same run.
+
+For each (engine, model) pair the same pre-drawn prompt batches go through
+
+* **bare**: ``engine.generate(prompts, ...)`` only, and
+* **loop**: :class:`streamrl.workers.rollout.BatchRoller` (prompt encoding, generate,
+  decoding, rewards, packing) plus a real ZeroMQ send to a local receiver thread,
+
+alternating bare/loop batch by batch so machine-load drift hits both alike.
+``ratio_vs_bare_engine = loop tokens/s / bare tokens/s`` (the issue asks >= 0.9).
+``--eval N`` adds greedy exact-answer accuracy on N held-out arithmetic problems.
+
+Examples:
+    streamrl-bench rollout --json
+    streamrl-bench rollout --engines vllm --models smol-moe --smol-path models/smol-moe --eval 100
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from streamrl.config import load_config
+from streamrl.tasks.registry import Problem
+
+MODELS = ("tiny", "smol-moe")
+ENGINES = ("hf", "vllm")
+
+
+def model_overrides(model: str, smol_path: str) -> list[str]:
+    if model == "tiny":
+        return ["task.name=copy_digits", "rollout.max_new_tokens=6"]
+    if not os.path.isdir(smol_path):
+        raise ValueError(f"--smol-path = {smol_path!r} is not a folder; run streamrl-prepare-model first")
+    return [f"model.path={smol_path}", "task.name=arithmetic", "task.num_digits=2", "rollout.chat_template=true",
+            "rollout.rewards=exact_answer=1.0,format=0.1", "rollout.max_new_tokens=8"]
+
+
+class _Drain:
+    """A real ZeroMQ receiver on a thread, so the loop pays the actual send path."""
+
+    def __init__(self):
+        from streamrl.transport.channel import TrajectoryReceiver
+
+        self.rx = TrajectoryReceiver("tcp://127.0.0.1:*", hwm=64)
+        self.endpoint = self.rx.endpoint
+        self.received = 0
+        self._stop = False
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop:
+            self.received += len(self.rx.poll(0.05))
+
+    def close(self):
+        self._stop = True
+        self._t.join(timeout=5)
+        self.rx.close()
+
+
+def greedy_accuracy(engine, roller, problems: list[Problem], max_new_tokens: int) -> float:
+    """Exact-answer accuracy of greedy decoding over ``problems``."""
+    from streamrl.rewards import exact_answer
+
+    prompts = [roller.encode(p.prompt) for p in problems]
+    if engine.name == "vllm":
+        tokens = engine.generate(prompts, max_new_tokens, temperature=0.0).tokens
+    else:
+        tokens = []
+        with torch.no_grad():
+            for p in prompts:
+                out = engine.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens,
+                                            pad_token_id=engine.pad_id, eos_token_id=engine.eos_id)
+                tokens.append(out[0, len(p):].tolist())
+    texts = roller.tok.batch_decode(tokens, skip_special_tokens=True)
+    return sum(exact_answer(p, t) for p, t in zip(problems, texts)) / max(len(problems), 1)
+
+
+def bench_pair(engine_name: str, model: str, args) -> dict:
+    from streamrl.engines.factory import build_engine
+    from streamrl.models.factory import load_model_and_tokenizer
+    from streamrl.tasks import get_task
+    from streamrl.tasks.registry import eval_problems, problem_stream
+    from streamrl.transport.channel import TrajectorySender
+    from streamrl.workers.rollout import BatchRoller
+
+    cfg = load_config(args.config, [f"rollout.engine={engine_name}", f"rollout.group_size={args.group_size}",
+                                    f"rollout.prompts_per_batch={args.prompts_per_batch}",
+                                    *model_overrides(model, args.smol_path), *args.overrides])
+    rc = cfg.rollout
+    t0 = time.perf_counter()
+    mdl, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
+    engine = build_engine(cfg, mdl, tok)
+    start_s = time.perf_counter() - t0
+    task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
+    batches = [list(itertools.islice(problem_stream(task, 1, b, args.batches + 1), rc.prompts_per_batch))
+               for b in range(args.batches + 1)]
+    feed: list[Problem] = []
+    roller = BatchRoller(cfg, engine, tok, iter(lambda: feed.pop(0), None), worker_id=0)
+    drain = _Drain()
+    sender = TrajectorySender(drain.endpoint, 0, hwm=64)
+    bare_tok = loop_tok = 0
+    bare_s = loop_s = 0.0
+    try:
+        for i, batch in enumerate(batches):  # batch 0 warms both paths up
+            prompts = [roller.encode(p.prompt) for p in batch for _ in range(rc.group_size)]
+            t = time.perf_counter()
+            gen = engine.generate(prompts, rc.max_new_tokens, rc.temperature)
+            dt_bare = time.perf_counter() - t
+            feed.extend(batch)
+            t = time.perf_counter()
+            td = roller.rollout_batch(version=0)
+            while not sender.send(td, timeout_s=1.0):
+                pass
+            dt_loop = time.perf_counter() - t
+            if i == 0:
+                continue
+            bare_tok += sum(len(x) for x in gen.tokens)
+            bare_s += dt_bare
+            loop_tok += int(td["response_lens"].sum())
+            loop_s += dt_loop
+        acc = None
+        if args.eval and model == "smol-moe":
+            acc = greedy_accuracy(engine, roller, eval_problems(task, cfg.run.seed, args.eval), rc.max_new_tokens)
+    finally:
+        sender.close()
+        drain.close()
+        engine.close()
+    bare_tps, loop_tps = bare_tok / max(bare_s, 1e-9), loop_tok / max(loop_s, 1e-9)
+    row = {"engine": engine_name, "model": model, "engine_start_s": round(start_s, 1),
+           "bare_tokens_per_s": round(bare_tps, 1), "loop_tokens_per_s": round(loop_tps, 1),
+           "ratio_vs_bare_engine": round(loop_tps / max(bare_tps, 1e-9), 3),
+           "bare_tokens": bare_tok, "loop_tokens": loop_tok, "batches": args.batches,
+           "sequences_per_batch": rc.prompts_per_batch * rc.group_size}
+    if acc is not None:
+        row["greedy_accuracy"] = round(acc, 4)
+        row["eval_problems"] = args.eval
+    return row
+
+
+def _in_subprocess(engine: str, model: str, argv) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = [a for i, a in enumerate(argv) if a not in ("--engines", "--models", "--json")
+            and (i == 0 or argv[i - 1] not in ("--engines", "--models"))]
+    cmd = [sys.executable, "-m", "streamrl.bench.rollout", "--json", "--engines", engine, "--models", model, *rest]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["rows"][0]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="streamrl-bench rollout", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="last line: one JSON object")
+    p.add_argument("--engines", default="hf,vllm", help=f"comma list of {ENGINES}")
+    p.add_argument("--models", default="tiny", help=f"comma list of {MODELS}")
+    p.add_argument("--smol-path", default="models/smol-moe", help="prepared SmolLM2-MoE folder")
+    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--batches", type=int, default=4, help="measured batches per path (after 1 warm-up)")
+    p.add_argument("--prompts-per-batch", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--eval", type=int, default=0, help="greedy accuracy on this many held-out problems (smol-moe)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = p.parse_args(argv)
+    engines = [e for e in args.engines.split(",") if e]
+    models = [m for m in args.models.split(",") if m]
+    for e in engines:
+        if e not in ENGINES:
+            p.error(f"--engines: {e!r} is not one of {ENGINES}")
+    for m in models:
+        if m not in MODELS:
+            p.error(f"--models: {m!r} is not one of {MODELS}")
+    if args.batches < 1:
+        p.error(f"--batches = {args.batches}: must be >= 1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    pairs = [(e, m) for m in models for e in engines]
+    rows = []
+    for e, m in pairs:
+        # one process per pair when there are several: vLLM keeps process-global state, and a
+        # fresh process gives each pair the same starting conditions
+        row = bench_pair(e, m, args) if len(pairs) == 1 else _in_subprocess(e, m, argv)
+        rows.append(row)
+        if not args.json:
+            print(json.dumps(row))
+    result = {"rows": rows, "ratio_vs_bare_engine": min(r["ratio_vs_bare_engine"] for r in rows)}
+    for r in rows:
+        result[f"ratio_vs_bare_engine/{r['engine']}/{r['model']}"] = r["ratio_vs_bare_engine"]
+    print(json.dumps(result) if args.json else f"min ratio_vs_bare_engine: {result['ratio_vs_bare_engine']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
