@@ -60,7 +60,8 @@ def counter_rate(entries: list[dict[str, float]], key: str, t_lo: float, t_hi: f
         return None
     total = sum(d for _, d in increments(pts, key))
     dt = pts[-1]["time"] - pts[0]["time"]
-    return {"rate": total / dt, "t0": pts[0]["time"], "t1": pts[-1]["time"], "count": total}
+    return {"rate": total / dt, "t0": pts[0]["time"], "t1": pts[-1]["time"], "count": total,
+            "first": pts[0], "last": pts[-1]}
 
 
 def _mean(vals: list[float]) -> float | None:
@@ -108,7 +109,15 @@ class SnapshotBuilder:
             got = [r["rate"] for r in rates if r]
             return sum(got) if got else None
 
-        kl_key = "learner/mismatch_kl" if "learner/mismatch_kl" in latest_l else "learner/behaviour_logprob_abs_diff"
+        # engine/learner mismatch: the learner's KL if it reports one, else the workers' parity
+        # probe (rollout/mismatch_kl), else the learner's mean |logp - behaviour logp|
+        worker_kl = _mean([state.latest.get(p, {}).get("rollout/mismatch_kl") for p in workers])
+        if "learner/mismatch_kl" in latest_l:
+            kl_key, kl = "learner/mismatch_kl", latest_l["learner/mismatch_kl"]
+        elif worker_kl is not None:
+            kl_key, kl = "rollout/mismatch_kl", worker_kl
+        else:
+            kl_key, kl = "learner/behaviour_logprob_abs_diff", latest_l.get("learner/behaviour_logprob_abs_diff")
         totals = {
             "trajectories_per_s": total(gen_traj),
             "trained_trajectories_per_s": samples["rate"] if samples else None,
@@ -126,7 +135,7 @@ class SnapshotBuilder:
             "reward_mean": _first(_window_mean(learner, "learner/reward_mean", t_lo, t_hi),
                                   latest_l.get("learner/reward_mean")),
             "rollout_reward_mean": _mean([state.latest.get(p, {}).get("rollout/reward_mean") for p in workers]),
-            "mismatch_kl": latest_l.get(kl_key),
+            "mismatch_kl": kl,
             "mismatch_key": kl_key,
         }
         return {
@@ -134,7 +143,10 @@ class SnapshotBuilder:
             "time": now,
             "status": f"ended: {state.stop}" if ended else ("running" if learner else "waiting for data"),
             "window_s": self.window_s,
-            "window": {"learner": [samples["t0"], samples["t1"]] if samples else None},
+            # the learner reports that the rates span (their times and steps), for cross-checks
+            "window": {"learner": [samples["t0"], samples["t1"]] if samples else None,
+                       "learner_steps": [samples["first"].get("learner/step"), samples["last"].get("learner/step")]
+                       if samples else None},
             "totals": totals,
             "staleness": self._staleness(learner, latest_l),
             "weights": self._weights(latest_l, state, workers),

@@ -66,18 +66,19 @@ def _kv_table(rows: list[tuple[str, str]]) -> Table:
 
 def totals_panel(s: dict) -> Panel:
     t = s["totals"]
-    kl_label = "mismatch KL" if t.get("mismatch_key") == "learner/mismatch_kl" else "mismatch |Δlogp|"
+    kl_label = {"learner/mismatch_kl": "mismatch KL", "rollout/mismatch_kl": "mismatch KL (probe)"}.get(
+        t.get("mismatch_key"), "mismatch |Δlogp|")
     idle = t.get("learner_idle_frac")
     rows = [
-        ("trajectories/s (gen)", fmt(t.get("trajectories_per_s"))),
-        ("trajectories/s (trained)", fmt(t.get("trained_trajectories_per_s"))),
+        ("traj/s generated", fmt(t.get("trajectories_per_s"))),
+        ("traj/s trained", fmt(t.get("trained_trajectories_per_s"))),
         ("generated tokens/s", fmt(t.get("generated_tokens_per_s"))),
         ("trained tokens/s", fmt(t.get("trained_tokens_per_s"))),
         ("learner step time", fmt_s(t.get("learner_step_s"))),
-        ("learner idle (waiting)", "-" if idle is None else f"{100 * idle:.0f} %"),
+        ("learner idle (wait)", "-" if idle is None else f"{100 * idle:.0f} %"),
         ("queue depth (traj)", fmt(t.get("queue_depth"))),
         ("version / step", f"{fmt(t.get('version'))} / {fmt(t.get('learner_step'))}"),
-        ("reward mean (train/gen)", f"{fmt(t.get('reward_mean'))} / {fmt(t.get('rollout_reward_mean'))}"),
+        ("reward train / gen", f"{fmt(t.get('reward_mean'))} / {fmt(t.get('rollout_reward_mean'))}"),
         (kl_label, fmt(t.get("mismatch_kl"))),
     ]
     return Panel(_kv_table(rows), title=f"Totals (last {s['window_s']:.0f} s)", box=box.SQUARE)
@@ -119,18 +120,16 @@ def staleness_panel(s: dict) -> Panel:
 
 def weights_panel(s: dict) -> Panel:
     w = s["weights"]
-
-    def timed(key, gbps_key=None):
-        out = fmt_s(w.get(key))
-        return out + (f"  {fmt(w.get(gbps_key))} GB/s" if gbps_key and w.get(gbps_key) else "")
-    rows = [
-        ("version / size", f"{fmt(w.get('version'))} / {fmt(w.get('bytes'), 'B')}"),
-        ("gather (learner)", timed("gather_s")),
-        ("write (learner)", timed("write_s", "write_gbps")),
-        ("transfer (worker)", timed("transfer_s", "transfer_gbps")),
-        ("load (worker)", timed("load_s", "load_gbps")),
-    ]
-    return Panel(_kv_table(rows), title="Weights (last sync)", box=box.SQUARE)
+    t = Table.grid(padding=(0, 1))
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(justify="right", no_wrap=True)
+    t.add_column(justify="right", no_wrap=True)
+    t.add_row("version", fmt(w.get("version")), fmt(w.get("bytes"), "B"))
+    for label, key, rate in (("gather (learner)", "gather_s", None), ("write (learner)", "write_s", "write_gbps"),
+                             ("transfer (worker)", "transfer_s", "transfer_gbps"),
+                             ("load (worker)", "load_s", "load_gbps")):
+        t.add_row(label, fmt_s(w.get(key)), f"{fmt(w.get(rate))} GB/s" if rate and w.get(rate) else "")
+    return Panel(t, title="Weights (last sync)", box=box.SQUARE)
 
 
 def moe_panel(s: dict) -> Panel:
@@ -152,15 +151,16 @@ def moe_panel(s: dict) -> Panel:
 
 
 def workers_panel(s: dict) -> Panel:
-    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=True)
-    for col, just in (("worker", "right"), ("host", "left"), ("device", "left"), ("version", "right"),
-                      ("lag", "right"), ("tokens/s", "right"), ("heartbeat", "right"), ("status", "left"),
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=True, show_edge=False)
+    for col, just in (("id", "right"), ("host", "left"), ("device", "left"), ("ver", "right"),
+                      ("lag", "right"), ("tok/s", "right"), ("hb age", "right"), ("status", "left"),
                       ("state", "left"), ("restarts", "right")):
-        t.add_column(col, justify=just)
+        # the state column gives way first on narrow terminals
+        t.add_column(col, justify=just, no_wrap=True, overflow="ellipsis")
     for w in s["workers"]:
         age = w.get("heartbeat_age_s")
         t.add_row(str(w["id"]), w.get("host") or "-", w.get("device") or "-", fmt(w.get("version")),
-                  fmt(w.get("lag")), fmt(w.get("tokens_per_s")), "-" if age is None else f"{age:.1f} s ago",
+                  fmt(w.get("lag")), fmt(w.get("tokens_per_s")), "-" if age is None else f"{age:.1f}s",
                   Text(w["status"], style=STATUS_STYLE.get(w["status"], "")), w.get("state") or "-",
                   str(w.get("restarts", 0)))
     if not s["workers"]:
@@ -182,16 +182,43 @@ def header(s: dict | None, url: str, error: str | None, now: float | None = None
     return t
 
 
+WIDE = 120  # below this many columns the panels stack (80-column SSH terminals, tmux splits)
+
+
+class Screen:
+    """The monitor screen; picks a side-by-side or a stacked layout from the console width."""
+
+    def __init__(self, s: dict, url: str, error: str | None):
+        self.s, self.url, self.error = s, url, error
+
+    def __rich_console__(self, console, options):
+        s = self.s
+        yield header(s, self.url, self.error, s.get("time"))
+        panels = [totals_panel(s), history_panel(s), staleness_panel(s), weights_panel(s), moe_panel(s)]
+        if options.max_width < WIDE:  # two columns where they fit, sparklines full width
+            for pair in ((panels[0], panels[2]), (panels[3], panels[4])):
+                grid = Table.grid(expand=True, padding=(0, 1))
+                grid.add_column(ratio=1)
+                grid.add_column(ratio=1)
+                grid.add_row(*pair)
+                yield grid
+            yield panels[1]
+        else:
+            top = Table.grid(expand=True, padding=(0, 1))
+            top.add_column(ratio=1)
+            top.add_column(ratio=1)
+            top.add_row(*panels[:2])
+            mid = Table.grid(expand=True, padding=(0, 1))
+            for _ in range(3):
+                mid.add_column(ratio=1)
+            mid.add_row(*panels[2:])
+            yield top
+            yield mid
+        yield workers_panel(s)
+
+
 def render(s: dict | None, url: str, error: str | None = None) -> RenderableType:
     """The whole screen for snapshot ``s`` (None: nothing read yet) and an optional error line."""
     if s is None:
         return Group(header(None, url, error), Text("waiting for the first snapshot…", style="dim"))
-    top = Table.grid(expand=True, padding=(0, 1))
-    top.add_column(ratio=1)
-    top.add_column(ratio=1)
-    top.add_row(totals_panel(s), history_panel(s))
-    mid = Table.grid(expand=True, padding=(0, 1))
-    for _ in range(3):
-        mid.add_column(ratio=1)
-    mid.add_row(staleness_panel(s), weights_panel(s), moe_panel(s))
-    return Group(header(s, url, error, s.get("time")), top, mid, workers_panel(s))
+    return Screen(s, url, error)
