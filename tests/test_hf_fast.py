@@ -190,3 +190,22 @@ def test_gpu_graphs_parity_and_update_without_recapture():
         ref = F.log_softmax(_teacher_forced_logits(model_b, p, resp) / 0.8, -1)
         ref = ref.gather(-1, torch.tensor(resp, device="cuda")[:, None]).squeeze(-1).cpu()
         torch.testing.assert_close(torch.tensor(lp), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_decode_step_traces_whole_without_graph_breaks(tiny):
+    """The step that CUDA graphs capture is one dynamo graph (what torch.compile fuses on GPU),
+    and the traced step gives the same tokens and routing as the plain one."""
+    model, tok = tiny
+    prompts = _prompts(3, seed=5)
+    ref = FastHFEngine(model, tok, batch_size=2, max_seq_len=32, record_routing=True).generate(prompts, 8, 0.0)
+    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=32, record_routing=True)
+    with torch.no_grad(), eng._impl():
+        eng.max_new.fill_(8)
+        eng._prefill([0, 1], prompts[:2], True)
+        explained = torch._dynamo.explain(eng._decode)(32, True)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    eng._decode_fn = torch.compile(eng._decode, backend="aot_eager", dynamic=False)
+    got = eng.generate(prompts, 8, 0.0)
+    assert got.tokens == ref.tokens
+    assert all(torch.equal(a, b) for a, b in zip(got.routed_experts, ref.routed_experts))

@@ -175,6 +175,7 @@ class FastHFEngine:
         self.graphs_on = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.compile = self.graphs_on if compile is None else compile
         self._decode_fn = self._decode
+        self._compiled = False  # whether _decode_fn is the torch.compile'd step
         self._params = dict(model.named_parameters())
         dtype = next(model.parameters()).dtype
         if experts_implementation == "auto":
@@ -300,20 +301,19 @@ class FastHFEngine:
         """Warm up on a side stream (state saved and restored), then capture one decode step."""
         state = [self.tok, self.pos, self.gen, self.done, self.out_tok, self.out_lp]
         saved = [t.clone() for t in state]
-        if self.compile and self._decode_fn is self._decode:
+        if self.compile and not self._compiled:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-            self._decode_fn = torch.compile(self._decode, dynamic=False)
+            self._decode_fn, self._compiled = torch.compile(self._decode, dynamic=False), True
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             try:
                 self._decode_fn(span, greedy)
             except Exception as e:  # noqa: BLE001 - compilation is an optimisation only
-                if self._decode_fn is self._decode:
+                if not self._compiled:
                     raise
                 warnings.warn(f"FastHFEngine: torch.compile of the decode step failed ({e!r}); using the plain step")
-                self._decode_fn = self._decode
-                self.compile = False
+                self._decode_fn, self._compiled, self.compile = self._decode, False, False
                 for t, v in zip(state, saved):
                     t.copy_(v)
                 self._decode_fn(span, greedy)
