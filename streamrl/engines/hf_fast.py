@@ -201,8 +201,7 @@ class FastHFEngine:
         if self.routers:
             k = self.routers[0].top_k
             self.route_hist = torch.zeros(b, s, len(self.routers), k, dtype=torch.int16, device=dev)
-            for i, r in enumerate(self.routers):
-                r.register_forward_hook(self._route_hook(i))
+        self._hooks = [r.register_forward_hook(self._route_hook(i)) for i, r in enumerate(self.routers)]
         self._route_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, positions) of the tokens
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.captures = 0
@@ -424,6 +423,9 @@ class FastHFEngine:
             self._params[name].copy_(t)
 
     def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         self.graphs.clear()
         self.cache = None
         self.model = None
