@@ -72,6 +72,29 @@ def padded_routed_experts(batch: TensorDict, t_max: int, layers: int) -> torch.T
     return out
 
 
+def clip_grad_norm(params, max_norm: float, group=None) -> float:
+    """Clip gradients to a global L2 norm; returns the norm before clipping.
+
+    Works across FSDP meshes of different shapes (dense params over all ranks, experts over
+    ``dp_shard``) where ``torch.nn.utils.clip_grad_norm_`` cannot mix DTensor meshes: every
+    rank holds a disjoint shard of every gradient, so the squared norm is a sum over ranks.
+    """
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    sq = sum((x.detach().float() ** 2).sum() for x in local) if local else torch.zeros(())
+    sq = torch.as_tensor(sq, dtype=torch.float64).reshape(1).cpu()
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, group=group)
+    norm = float(sq.sqrt())
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for x in local:
+            x.mul_(coef)
+    return norm
+
+
 class Trainer:
     """Model + expert parallel + FSDP2 + AdamW; :meth:`step` trains on one packed batch."""
 
@@ -189,7 +212,7 @@ class Trainer:
         prox_logp = logp.detach() if prox is None else prox
         pg_loss, stats = compute_policy_loss(lc, logp, prox_logp, behav, a, mask, n_tok, n_seq, norm_len)
         loss = pg_loss
-        metrics = {"learner/loss": float(pg_loss.detach()) * self.world, "learner/clip_frac": stats["clip_frac"],
+        metrics = {"learner/loss": float(pg_loss.detach()), "learner/clip_frac": stats["clip_frac"],
                    "learner/is_weight_mean": stats["is_weight_mean"],
                    "learner/is_truncated_frac": stats["is_truncated_frac"]}
         if self.ref_model is not None:
@@ -198,13 +221,13 @@ class Trainer:
                 ref_logp = token_logprobs(ref_logits, ids, temp)
             kl = kl_term(lc, logp, ref_logp, mask, n_tok, n_seq, norm_len)
             loss = loss + lc.kl_coef * kl
-            metrics["learner/kl_ref"] = float(kl.detach()) * self.world
+            metrics["learner/kl_ref"] = float(kl.detach())
         if lc.entropy_coef > 0 or logits.shape[-1] <= 4096:
             with torch.set_grad_enabled(lc.entropy_coef > 0):
                 ent = (token_entropy(logits[:, :-1], temp) * mask).sum() / n_tok
             if lc.entropy_coef > 0:
                 loss = loss - lc.entropy_coef * ent
-            metrics["learner/entropy"] = float(ent.detach()) * self.world
+            metrics["learner/entropy"] = float(ent.detach())
         if routers:
             tok_mask = attn.reshape(-1).float() * (0.0 if idle else 1.0)
             group = self.mesh.dp_group
@@ -221,10 +244,7 @@ class Trainer:
         self.optim.zero_grad(set_to_none=True)
         loss.backward()
         self.router.drop_grads()
-        grads = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(grads, lc.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm(self.model.parameters(), lc.grad_clip, self.mesh.dp_group)
         self.optim.step()
         if self.router.ema:
             self.router.update_ema()
@@ -232,8 +252,20 @@ class Trainer:
         with torch.no_grad():
             m = mask.bool()
             mismatch = float((behav - logp.detach())[m].abs().mean()) if m.any() else 0.0
-        metrics["learner/grad_norm"] = float(grad_norm)
         metrics["learner/behaviour_logprob_abs_diff"] = mismatch
+        # Rank-local numbers (each rank saw its slice) -> the mean over ranks, same everywhere.
+        # The router losses' per-rank values are shares of the global loss -> their sum.
+        local = [k for k in metrics if k.startswith("learner/")]
+        shares = [k for k in ("moe/aux_loss", "moe/z_loss") if k in metrics]
+        if self.world > 1:
+            import torch.distributed as dist
+
+            t = torch.tensor([metrics[k] for k in local + shares], dtype=torch.float64)
+            dist.all_reduce(t, group=self.mesh.dp_group)
+            vals = t.tolist()
+            metrics.update({k: v / self.world for k, v in zip(local, vals)})
+            metrics.update(dict(zip(shares, vals[len(local):])))
+        metrics["learner/grad_norm"] = grad_norm
         return metrics
 
     def evaluate_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
