@@ -60,6 +60,16 @@ class CheckpointNameAdapter:
         return revert_weight_conversion(self._meta, unadapt(named))
 
 
+def _max_positions(folder: str) -> int | None:
+    import json
+    from pathlib import Path
+
+    try:
+        return int(json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
 class VLLMEngine:
     """In-process vLLM with behaviour log-probs, teacher-forced scoring and in-place updates.
 
@@ -88,6 +98,11 @@ class VLLMEngine:
         from vllm import LLM
 
         self.folder = str(folder)
+        # never ask for more positions than the model has (vLLM refuses to start then)
+        limit = _max_positions(self.folder)
+        if limit is not None and max_model_len > limit:
+            log.info("max_model_len %d > model's %d positions; using %d", max_model_len, limit, limit)
+            max_model_len = limit
         self.llm = LLM(
             model=self.folder, dtype=dtype, seed=seed, enforce_eager=True,
             kv_cache_memory_bytes=int(kv_cache_bytes), max_model_len=max_model_len,
