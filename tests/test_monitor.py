@@ -97,6 +97,7 @@ def test_snapshot_rates_and_sections(simulated, redis_url, run_id):
     for section in SECTIONS:
         assert section in text, section
     assert "trained tokens/s" in text and "lag 1" in text and "alive" in text
+    assert "0.2 BAD" in text and "1.3 BAD" in text  # layer 1 collapsed: entropy and usage both flagged
 
 
 def test_worker_status_stale_restarting_dead(simulated, redis_url, run_id):

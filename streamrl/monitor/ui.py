@@ -139,10 +139,11 @@ def moe_panel(s: dict) -> Panel:
     t.add_column("layer", justify="right")
     t.add_column("router H", justify="right")
     t.add_column("usage std", justify="right")
+    def cell(v, lvl):  # the level in words too: colour does not survive every terminal or log
+        return Text(fmt(v) + {"warn": " warn", "bad": " BAD"}.get(lvl, ""), style=LEVEL_STYLE[lvl])
     for layer in m["layers"]:
-        t.add_row(str(layer["layer"]),
-                  Text(fmt(layer["router_entropy"]), style=LEVEL_STYLE[layer["entropy_level"]]),
-                  Text(fmt(layer["expert_usage_std"]), style=LEVEL_STYLE[layer["usage_level"]]))
+        t.add_row(str(layer["layer"]), cell(layer["router_entropy"], layer["entropy_level"]),
+                  cell(layer["expert_usage_std"], layer["usage_level"]))
     if not m["layers"]:
         t.add_row("-", "no MoE metrics", "")
     note = Text(f"warn/bad: H<{th['entropy_warn']:g}/{th['entropy_bad']:g} "
