@@ -109,6 +109,8 @@ def _loop(args, source, builder, url) -> int:
             error = f"{_explain(e, args.run_dir)}; retrying every {args.interval:g} s"
         except RunNotFound as e:
             error = f"{e}; retrying every {args.interval:g} s"
+        except Exception as e:  # odd data in Redis must not kill a monitor someone relies on
+            error = f"could not build a snapshot ({type(e).__name__}: {e}); retrying every {args.interval:g} s"
 
     try:
         if args.json:

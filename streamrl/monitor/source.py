@@ -131,13 +131,13 @@ class RunSource:
         for w in ids:
             pipe.get(k.heartbeat(w))
             pipe.get(f"streamrl:{self.run_id}:incarnation:{w}")
-        res_state = res = pipe.execute()
+        res = pipe.execute()
         version = int(res[0]) if res[0] is not None else -1
-        procs = sorted(res[2])
+        stop, procs = res[1], sorted(res[2])
         heartbeats, incarnations = {}, {}
         for i, w in enumerate(ids):
             hb, inc = res[3 + 2 * i], res[4 + 2 * i]
-            heartbeats[w] = json.loads(hb) if hb else None
+            heartbeats[w] = _json_or_none(hb)
             incarnations[w] = int(inc) if inc else 0
         timings_key = getattr(k, "weights_timings", None)  # schema of streamrl.weights, when present
         pipe = self._r.pipeline(transaction=False)
@@ -148,7 +148,7 @@ class RunSource:
         res = pipe.execute()
         latest = {p: _floats(h) for p, h in zip(procs, res)}
         timings = {w: _floats(h) for w, h in zip(ids, res[len(procs):]) if h}
-        return State(time=time.time(), version=version, stop=res_state[1], heartbeats=heartbeats,
+        return State(time=time.time(), version=version, stop=stop, heartbeats=heartbeats,
                      incarnations=incarnations, latest=latest, weight_timings=timings)
 
     def _read_stream(self) -> None:
@@ -178,6 +178,17 @@ class RunSource:
 
     def close(self) -> None:
         self._r.close()
+
+
+def _json_or_none(raw: str | None) -> dict | None:
+    """A heartbeat's JSON; a malformed one counts as no heartbeat (the monitor must not crash)."""
+    if not raw:
+        return None
+    try:
+        out = json.loads(raw)
+    except ValueError:
+        return None
+    return out if isinstance(out, dict) else None
 
 
 def _floats(d: dict) -> dict[str, float]:
