@@ -23,6 +23,7 @@ import torch.distributed as dist
 from streamrl.config import config_from_dict, load_config
 from streamrl.coord.coordinator import Coordinator
 from streamrl.learner.buffer import StalenessBuffer
+from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.trainer import Trainer
 from streamrl.metrics import JsonlSink, RateLimitedRedisSink
@@ -44,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--bind-host", default="127.0.0.1", help="address the trajectory socket binds")
     p.add_argument("--advertise-host", default=None, help="address workers connect to (default: bind host)")
     p.add_argument("--starve-timeout", type=float, default=600.0, help="fail if no data arrives for this long")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="resume from a checkpoint directory, or 'latest' under checkpoint.dir (default when no value)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     return p.parse_args(argv)
 
@@ -94,7 +97,6 @@ def main(argv=None) -> int:
         return {}
 
     version = 0
-    publish(version)
     buffer = StalenessBuffer(cfg.rollout.group_size, lc.max_staleness)
     t_start = time.time()
     rewards: list[float] = []
@@ -102,6 +104,28 @@ def main(argv=None) -> int:
     idle_total = 0.0
     step = 0
     status = "completed"
+    ck_root = checkpoint_dir(cfg)
+    if args.resume:
+        path = latest_checkpoint(ck_root) if args.resume == "latest" else Path(args.resume)
+        if path is None:
+            log.error("--resume: no complete checkpoint under %s", ck_root)
+            return 2
+        state, items, seen = load_checkpoint(path, trainer)
+        step, version = int(state["step"]), int(state.get("version", state["step"]))
+        samples, rewards = int(state.get("samples", 0)), list(state.get("rewards", []))
+        if rank == 0:
+            buffer.load_state(items, state.get("buffer", {}))
+            receiver.mark_seen(seen)
+        log.info("resumed from %s at step %d, version %d", path, step, version)
+
+    def checkpoint() -> None:
+        items, bmeta = buffer.export_state() if rank == 0 else (None, {})
+        # The receiver's dedup window (private in the channel; read-only here).
+        seen = list(getattr(receiver, "_seen", {}).keys()) if rank == 0 else []
+        save_checkpoint(ck_root, step, trainer, {"version": version, "samples": samples, "rewards": rewards,
+                                                 "buffer": bmeta}, items, seen, cfg.checkpoint.keep_last)
+
+    publish(version)
     try:
         while step < cfg.run.steps:
             t_wait = time.perf_counter()
@@ -120,6 +144,8 @@ def main(argv=None) -> int:
             step += 1
             if step % lc.publish_interval == 0 or step == cfg.run.steps:
                 metrics.update(publish(version))
+            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+                checkpoint()
             step_s = time.perf_counter() - t_step
             if rank == 0:
                 idle_total += idle
@@ -147,6 +173,9 @@ def main(argv=None) -> int:
                 if step % 10 == 0 or step == cfg.run.steps:
                     log.info("step %d v%d reward %.3f samples %d idle %.0f%%", step, version,
                              metrics["learner/reward_mean"], samples, 100 * metrics["learner/idle_frac"])
+        if cfg.checkpoint.save_on_stop and step > 0 and not (
+                cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0):
+            checkpoint()  # clean stop (steps done or stop requested): every rank is here
     except Exception:
         status = "failed"
         raise

@@ -1,0 +1,161 @@
+"""Measure one learner training step of a Qwen3-MoE in bf16: tokens/s and achieved TFLOP/s.
+
+The step is the learner's: forward through the expert-parallel MoE blocks (grouped GEMM for
+the experts), next-token log-probs, the PPO-clip + truncated-IS policy loss, router aux loss,
+backward, AdamW. Only torch and transformers are needed (no tensordict), so it runs on the
+GPU machine as is. One GPU::
+
+    python -m streamrl.bench.learner_step --layers 12 --hidden 1024 --experts 64 --topk 4 \\
+        --moe-inter 512 --batch 16 --seq 1024 --steps 10
+
+Several GPUs (expert parallel over all of them, FSDP2 for the rest)::
+
+    torchrun --nproc_per_node 2 -m streamrl.bench.learner_step --ep 2 ...
+
+Model FLOPs per token (forward + backward = 3x forward): ``6 * N_active`` (matmul parameters
+a token touches: attention projections, top-k experts, router, lm_head) plus causal attention
+``6 * L * seq * n_heads * head_dim``. Achieved TFLOP/s is divided by ``--peak`` (per GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--moe-inter", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=16, help="sequences per GPU")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--impl", default="grouped_mm", choices=["grouped_mm", "loop", "hf_grouped_mm", "hf_eager"],
+                   help="experts kernel: ours (grouped_mm/loop) or transformers' own block")
+    p.add_argument("--peak", type=float, default=790.0, help="bf16 matmul peak TFLOP/s per GPU")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="", help="write the result JSON here too")
+    return p.parse_args(argv)
+
+
+def build(args, device):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.moe_inter,
+        moe_intermediate_size=args.moe_inter, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.head_dim, num_experts=args.experts,
+        num_experts_per_tok=args.topk, norm_topk_prob=True, max_position_embeddings=max(args.seq, 128),
+        tie_word_embeddings=False, output_router_logits=False,
+    )
+    if args.impl.startswith("hf_"):
+        cfg._experts_implementation = args.impl[3:]
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    return model, cfg
+
+
+def count_flops(args, total_params: int) -> tuple[float, float, float]:
+    """(total params, active matmul params per token, train FLOPs per token)."""
+    h, L = args.hidden, args.layers
+    attn = h * args.heads * args.head_dim * 2 + h * args.kv_heads * args.head_dim * 2
+    experts = args.topk * 3 * h * args.moe_inter
+    router = h * args.experts
+    active = L * (attn + experts + router) + h * args.vocab  # lm_head; embedding lookup is not a matmul
+    per_token = 6 * active + 6 * L * args.seq * args.heads * args.head_dim  # causal: half of 12
+    return float(total_params), float(active), float(per_token)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch.distributed as dist
+
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    from streamrl.algorithms.losses import policy_loss
+    from streamrl.algorithms.moe_losses import load_balancing_loss
+    from streamrl.parallel.expert_parallel import parallelize
+    from streamrl.parallel.mesh import build_mesh
+
+    model, cfg = build(args, device)
+    total = sum(p.numel() for p in model.parameters())
+    blocks = []
+    if args.impl.startswith("hf_"):
+        if world > 1:
+            raise SystemExit("--impl hf_* runs on one GPU only")
+        model.to(device)
+    else:
+        mesh = build_mesh(args.ep, device.type, args.experts)
+        blocks = parallelize(model, mesh, device, args.impl, mixed_precision=False)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    attn = torch.ones_like(ids)
+    mask = torch.ones(args.batch, args.seq - 1, device=device)
+    behav = -torch.rand(args.batch, args.seq - 1, generator=g).to(device) * 3
+    adv = torch.randn(args.batch, generator=g).to(device)
+
+    def step():
+        out = model(input_ids=ids, attention_mask=attn, use_cache=False)
+        lp = F.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss, _ = policy_loss(lp, lp.detach(), behav, adv, mask, is_mode="token-tis")
+        if blocks:
+            loss = loss + 0.01 * load_balancing_loss([b.last_router_logits for b in blocks], args.experts, args.topk)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(args.warmup):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync()
+    dt = (time.perf_counter() - t0) / args.steps
+    total_p, active, per_tok = count_flops(args, total)
+    tokens = args.batch * args.seq
+    tflops = per_tok * tokens / dt / 1e12
+    res = {
+        "impl": args.impl, "world": world, "ep": args.ep, "params_total_B": total_p / 1e9,
+        "params_active_matmul_M": active / 1e6, "tokens_per_step_per_gpu": tokens, "step_s": dt,
+        "tokens_per_s_per_gpu": tokens / dt, "tokens_per_s_total": tokens * world / dt,
+        "tflops_per_gpu": tflops, "mfu_vs_peak": tflops / args.peak,
+        "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+    }
+    if rank == 0:
+        print(json.dumps(res, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
