@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 # value of each key between flushes): they are also summed into ``<key>_total``, from which
 # the monitor computes exact rates.
 DEFAULT_SUM_KEYS = ("learner/trained_tokens", "learner/trajectories")
+# Wall time of the newest write in a Redis batch (``time`` is when the batch was pushed).
+WRITE_TIME_KEY = "metrics/time"
 
 
 class MetricSink(Protocol):
@@ -125,6 +127,8 @@ class RateLimitedRedisSink:
     def write(self, metrics: dict[str, float], force: bool = False) -> None:
         with self._lock:
             self._pending.update(metrics)
+            # when these values were current: a delayed push must not skew the monitor's rates
+            self._pending[WRITE_TIME_KEY] = time.time()
             for k in self.sum_keys:
                 if k in metrics:
                     self._totals[k] = self._totals.get(k, 0.0) + float(metrics[k])

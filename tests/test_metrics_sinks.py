@@ -44,6 +44,8 @@ def test_redis_sink_batches_and_sums_counters(redis_url, run_id):
     # batching keeps only the newest per-step value, the _total keys keep every step's count
     assert latest["learner/trained_tokens_total"] == 10 * steps
     assert latest["learner/trajectories_total"] == 2 * steps
+    # stamped at the newest write, before the (background) push
+    assert latest["time"] - 1.0 < latest["metrics/time"] <= latest["time"]
     entries = coord.r.xrange(coord.keys.metrics_stream)
     assert 2 <= len(entries) <= 8, f"{len(entries)} pipelines for {steps} writes: not batched"
     assert sink.failures == 0

@@ -40,27 +40,33 @@ def level(value: float | None, warn: float, bad: float, higher_is_worse: bool) -
     return "bad" if value < bad else "warn" if value < warn else "ok"
 
 
+def ts(entry: dict[str, float]) -> float:
+    """When an entry's values were written: the sink's ``metrics/time`` (stamped at the
+    newest write of a batch), else the push time; -1 if neither."""
+    return entry.get("metrics/time", entry.get("time", -1.0))
+
+
 def increments(entries: Iterable[dict[str, float]], key: str) -> list[tuple[float, float]]:
     """[(time, Δcount)] between consecutive entries that carry ``key``; resets count from 0."""
     out, prev = [], None
     for e in entries:
-        if key not in e or "time" not in e:
+        if key not in e or ts(e) < 0:
             continue
         v = e[key]
         if prev is not None:
-            out.append((e["time"], v - prev if v >= prev else v))
+            out.append((ts(e), v - prev if v >= prev else v))
         prev = v
     return out
 
 
 def counter_rate(entries: list[dict[str, float]], key: str, t_lo: float, t_hi: float) -> dict | None:
     """Rate of cumulative ``key`` over the entries in [t_lo, t_hi]: {rate, t0, t1, count}."""
-    pts = [e for e in entries if key in e and t_lo <= e.get("time", -1.0) <= t_hi]
-    if len(pts) < 2 or pts[-1]["time"] <= pts[0]["time"]:
+    pts = [e for e in entries if key in e and t_lo <= ts(e) <= t_hi]
+    if len(pts) < 2 or ts(pts[-1]) <= ts(pts[0]):
         return None
     total = sum(d for _, d in increments(pts, key))
-    dt = pts[-1]["time"] - pts[0]["time"]
-    return {"rate": total / dt, "t0": pts[0]["time"], "t1": pts[-1]["time"], "count": total,
+    dt = ts(pts[-1]) - ts(pts[0])
+    return {"rate": total / dt, "t0": ts(pts[0]), "t1": ts(pts[-1]), "count": total,
             "first": pts[0], "last": pts[-1]}
 
 
@@ -74,7 +80,7 @@ def _first(*vals):
 
 
 def _window_mean(entries, key, t_lo, t_hi) -> float | None:
-    return _mean([e[key] for e in entries if key in e and t_lo <= e.get("time", -1.0) <= t_hi])
+    return _mean([e[key] for e in entries if key in e and t_lo <= ts(e) <= t_hi])
 
 
 @dataclass
@@ -95,7 +101,7 @@ class SnapshotBuilder:
         workers = {p: list(h) for p, h in history.items() if p.startswith("rollout-")}
         ended = state.stop is not None
         # A finished run: rates over its last window of activity, not over silence.
-        t_hi = max([e["time"] for h in history.values() for e in h[-1:]], default=now) if ended else now
+        t_hi = max([ts(e) for h in history.values() for e in h[-1:]], default=now) if ended else now
         t_lo = t_hi - self.window_s
 
         samples = counter_rate(learner, "learner/samples", t_lo, t_hi)
@@ -265,7 +271,7 @@ class SnapshotBuilder:
         def binned_mean(entries, key):
             acc = [[] for _ in range(n)]
             for e in entries:
-                i = int((e.get("time", 0.0) - start) // w)
+                i = int((ts(e) - start) // w)
                 if key in e and 0 <= i < n:
                     acc[i].append(e[key])
             return [_mean(a) for a in acc]
