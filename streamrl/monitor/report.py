@@ -145,6 +145,8 @@ def plot(name: str, series: dict[str, tuple[list[float], list[float]]]):
             ax.plot(*series[label], label=label)
         axes[0].set(xlabel="step", ylabel="H / log E", title="router entropy (1 = uniform)")
         axes[1].set(xlabel="step", ylabel="std × E", title="expert usage std (0 = balanced)")
+        for y, c in ((0.5, "orange"), (1.0, "red")):  # streamrl-monitor's default warn / bad levels
+            axes[1].axhline(y, color=c, linestyle=":", linewidth=1)
     else:
         raise ValueError(f"plot name {name!r}: expected one of {PLOTS}")
     for ax in axes:
