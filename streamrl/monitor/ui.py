@@ -152,7 +152,7 @@ def moe_panel(s: dict) -> Panel:
 
 
 def workers_panel(s: dict) -> Panel:
-    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=True, show_edge=False)
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, collapse_padding=True, pad_edge=False)
     for col, just in (("id", "right"), ("host", "left"), ("device", "left"), ("ver", "right"),
                       ("lag", "right"), ("tok/s", "right"), ("hb age", "right"), ("status", "left"),
                       ("state", "left"), ("restarts", "right")):
