@@ -3,24 +3,51 @@
 A *trajectory batch* is one flat :class:`tensordict.TensorDict` (``batch_size=[]``) holding
 ``B`` trajectories in a **packed ragged layout**: token-level tensors of all trajectories are
 concatenated (no padding on the wire), and per-trajectory lengths say where each one ends.
+Trajectory ``i`` owns response rows ``sum(response_lens[:i]) : sum(response_lens[:i+1])`` of
+every ``response`` tensor (and likewise for prompts). Why packed: a batch of 64 responses of
+20..2000 tokens padded to 2000 would ship ~2x the bytes; packed, the wire carries only real
+tokens and the learner pads once (:func:`to_padded`).
 
-=====================  ==========  ===================  ==========================================
-key                    dtype       shape                meaning
-=====================  ==========  ===================  ==========================================
-prompt_lens            int64       [B]                  prompt tokens of each trajectory
-response_lens          int64       [B]                  response tokens of each trajectory
-prompt_tokens          int64       [sum(prompt_lens)]   prompt token ids, concatenated
-response_tokens        int64       [sum(response_lens)] sampled token ids, concatenated
-response_mask          bool        [sum(response_lens)] token takes part in the loss
-behaviour_logprobs     float32     [sum(response_lens)] log mu(token) under the sampling policy
-policy_version         int64       [sum(response_lens)] weights version that sampled each token
-reward                 float32     [B]                  scalar reward of each trajectory
-group_id               int64       [B]                  prompt group (group-relative advantages)
-traj_id                int64       [B]                  globally unique trajectory id
-worker_id              int64       [B]                  producing worker
-created_at             float64     [B]                  unix time the trajectory was finished
-routed_experts         int16       [sum(resp), L, k]    optional: experts chosen per token/layer
-=====================  ==========  ===================  ==========================================
+Required keys (``FIELDS``):
+
+=====================  ==========  =====================  ========================================
+key                    dtype       shape                  meaning
+=====================  ==========  =====================  ========================================
+prompt_lens            int64       [B]                    prompt tokens of each trajectory (>= 1)
+response_lens          int64       [B]                    response tokens of each trajectory (>= 1)
+prompt_tokens          int64       [P = sum(prompt_lens)] prompt token ids, concatenated
+response_tokens        int64       [R = sum(resp_lens)]   sampled token ids, concatenated
+response_mask          bool        [R]                    token takes part in the loss
+behaviour_logprobs     float32     [R]                    log mu(token) under the sampling policy
+policy_version         int64       [R]                    weights version that sampled each token
+reward                 float32     [B]                    scalar reward of each trajectory
+group_id               int64       [B]                    prompt group (group-relative advantages)
+traj_id                int64       [B]                    globally unique trajectory id
+worker_id              int64       [B]                    producing worker
+created_at             float64     [B]                    unix time the trajectory was finished
+=====================  ==========  =====================  ========================================
+
+Optional keys (``OPTIONAL_FIELDS``; present for the whole batch or absent):
+
+=====================  ==========  =====================  ========================================
+started_at             float64     [B]                    unix time generation started (<= created_at)
+reward_components      float32     [B, C]                 per-criterion rewards (``reward`` is their
+                                                          combination); C >= 1
+routed_experts         int16       [R, L, k]              expert ids the router chose, per MoE
+                                                          layer, at the position that *predicted*
+                                                          each response token (input position
+                                                          p+j-1 for token j): routing replay;
+                                                          L layers, top-k
+=====================  ==========  =====================  ========================================
+
+``policy_version`` is per token because weights can change in the middle of a generation
+(in-flight updates); staleness is measured on the oldest token (:func:`min_version`).
+The wire adds per-message metadata outside the tensors (sender session, sequence number,
+``sent_at``); see :mod:`streamrl.transport.channel`.
+
+Naming: keys are flat so the codec and ``torch.distributed`` broadcast stay trivial.
+``TORCHRL_KEYS`` maps them to the nested keys of ``torchrl.modules.llm``
+(``("tokens", "response")``, ``("log_probs", "response")``, ...) for code that wants them.
 
 Ids are 63-bit integers: ``(worker_id << 40) | counter`` for trajectories and groups, so
 two workers never collide and a worker restarted with a new incarnation counter neither.
@@ -28,6 +55,7 @@ two workers never collide and a worker restarted with a new incarnation counter 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from tensordict import TensorDict
@@ -50,9 +78,20 @@ FIELDS: dict[str, tuple[torch.dtype, int, str]] = {
     "created_at": (torch.float64, 1, "traj"),
 }
 OPTIONAL_FIELDS: dict[str, tuple[torch.dtype, int, str]] = {
+    "started_at": (torch.float64, 1, "traj"),
+    "reward_components": (torch.float32, 2, "traj"),
     "routed_experts": (torch.int16, 3, "response"),
 }
+ALL_FIELDS = {**FIELDS, **OPTIONAL_FIELDS}
+TORCHRL_KEYS: dict[str, tuple[str, str]] = {
+    "prompt_tokens": ("tokens", "prompt"),
+    "response_tokens": ("tokens", "response"),
+    "behaviour_logprobs": ("log_probs", "response"),
+    "response_mask": ("masks", "response"),
+    "reward": ("next", "reward"),
+}
 ID_SHIFT = 40
+MAX_EXPERT_ID = torch.iinfo(torch.int16).max
 
 
 class TrajectoryError(ValueError):
@@ -68,9 +107,13 @@ def make_id(worker_id: int, counter: int) -> int:
     return (int(worker_id) << ID_SHIFT) | (int(counter) & ((1 << ID_SHIFT) - 1))
 
 
-def validate_trajectories(td: TensorDict, *, max_version: int | None = None) -> None:
-    """Check keys, dtypes, shapes, length bookkeeping and finite values.
+def validate_trajectories(td: TensorDict | Mapping[str, torch.Tensor], *, max_version: int | None = None) -> None:
+    """Check keys, dtypes, shapes, length bookkeeping, ids and finite values.
 
+    ``td`` is a TensorDict or a plain ``{key: tensor}`` dict (the receiver validates the
+    decoded dict before paying for a TensorDict).
+
+    Cheap checks (keys, dtypes, shapes) run before any pass over token data.
     Raises :class:`TrajectoryError` whose ``reason`` names the broken rule.
     ``max_version`` rejects tokens claiming a policy version the learner never published.
     """
@@ -78,34 +121,56 @@ def validate_trajectories(td: TensorDict, *, max_version: int | None = None) -> 
     missing = [k for k in FIELDS if k not in keys]
     if missing:
         raise TrajectoryError("missing_key", f"missing keys {missing}")
-    unknown = [k for k in keys if k not in FIELDS and k not in OPTIONAL_FIELDS]
+    unknown = [k for k in keys if k not in ALL_FIELDS]
     if unknown:
-        raise TrajectoryError("unknown_key", f"unknown keys {unknown}")
+        raise TrajectoryError("unknown_key", f"unknown keys {sorted(map(str, unknown))}")
     p_lens, r_lens = td["prompt_lens"], td["response_lens"]
-    if p_lens.ndim != 1 or r_lens.ndim != 1:
-        raise TrajectoryError("bad_shape", "prompt_lens/response_lens must be 1-D")
+    for name, t in (("prompt_lens", p_lens), ("response_lens", r_lens)):
+        if t.dtype != torch.int64 or t.ndim != 1:
+            raise TrajectoryError("bad_shape", f"{name} must be 1-D int64, got {t.dtype} {tuple(t.shape)}")
+    if p_lens.numel() == 0:
+        raise TrajectoryError("empty", "a batch holds at least one trajectory")
+    if p_lens.shape != r_lens.shape:
+        raise TrajectoryError("bad_shape", f"prompt_lens {tuple(p_lens.shape)} != response_lens {tuple(r_lens.shape)}")
     if (p_lens < 1).any() or (r_lens < 1).any():
         raise TrajectoryError("bad_length", "every prompt and response needs >= 1 token")
+    # A bogus huge length would fail the shape check anyway; capping it keeps the int64 sums
+    # from wrapping around for any batch that fits in one message (B < 2**25).
+    if (p_lens > 2**31).any() or (r_lens > 2**31).any():
+        raise TrajectoryError("bad_length", "a length exceeds 2**31 tokens")
     n = {"traj": p_lens.numel(), "prompt": int(p_lens.sum()), "response": int(r_lens.sum())}
-    if n["traj"] == 0:
-        raise TrajectoryError("empty", "a batch holds at least one trajectory")
     for key in keys:
-        dtype, ndim, axis = FIELDS.get(key) or OPTIONAL_FIELDS[key]
+        dtype, ndim, axis = ALL_FIELDS[key]
         t = td[key]
         if t.dtype != dtype:
             raise TrajectoryError("bad_dtype", f"{key} has dtype {t.dtype}, expected {dtype}")
-        if t.ndim != ndim or t.shape[0] != n[axis]:
-            raise TrajectoryError("bad_shape", f"{key} has shape {tuple(t.shape)}, expected first dim {n[axis]}")
-    for key in ("behaviour_logprobs", "reward", "created_at"):
-        if not torch.isfinite(td[key]).all():
-            raise TrajectoryError("non_finite", f"{key} holds NaN or inf")
-    if (td["behaviour_logprobs"] > 1e-4).any():
-        raise TrajectoryError("bad_logprob", "behaviour_logprobs must be <= 0")
-    if (td["policy_version"] < 0).any():
-        raise TrajectoryError("bad_version", "policy_version must be >= 0")
-    if max_version is not None and int(td["policy_version"].max()) > max_version:
-        raise TrajectoryError("future_version",
-                              f"policy_version {int(td['policy_version'].max())} > published {max_version}")
+        if t.ndim != ndim or t.shape[0] != n[axis] or any(d < 1 for d in t.shape[1:]):
+            raise TrajectoryError("bad_shape", f"{key} has shape {tuple(t.shape)}, expected {ndim}-D "
+                                  f"with first dim {n[axis]} and trailing dims >= 1")
+    # Value checks: one min/max pass per tensor (NaN propagates through aminmax, so a
+    # non-finite min or max catches NaN and +-inf) instead of a boolean temporary per rule.
+    for key in ("behaviour_logprobs", "reward", "created_at", "started_at", "reward_components"):
+        if key in keys:
+            lo, hi = _minmax(td[key])
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                raise TrajectoryError("non_finite", f"{key} holds NaN or inf")
+            if key == "behaviour_logprobs" and hi > 1e-4:
+                raise TrajectoryError("bad_logprob", f"behaviour_logprobs must be <= 0, max is {hi}")
+    lo, hi = _minmax(td["policy_version"])
+    if lo < 0:
+        raise TrajectoryError("bad_version", f"policy_version must be >= 0, min is {lo}")
+    if max_version is not None and hi > max_version:
+        raise TrajectoryError("future_version", f"policy_version {hi} > published {max_version}")
+    for key in ("traj_id", "group_id", "worker_id", "routed_experts"):
+        if key in keys and _minmax(td[key])[0] < 0:
+            raise TrajectoryError("bad_id" if key != "routed_experts" else "bad_expert", f"{key} must be >= 0")
+    if "started_at" in keys and (td["started_at"] > td["created_at"]).any():
+        raise TrajectoryError("bad_timestamp", "started_at is later than created_at")
+
+
+def _minmax(t: torch.Tensor) -> tuple[float, float]:
+    lo, hi = torch.aminmax(t)
+    return lo.item(), hi.item()
 
 
 def pack_trajectories(
@@ -118,26 +183,43 @@ def pack_trajectories(
     traj_ids: list[int],
     worker_id: int,
     created_at: float,
+    *,
+    started_at: float | list[float] | None = None,
+    response_masks: list[list[bool]] | None = None,
+    reward_components: list[list[float]] | None = None,
+    routed_experts: list[torch.Tensor] | None = None,
 ) -> TensorDict:
-    """Build a packed trajectory batch from per-trajectory Python lists."""
+    """Build a packed trajectory batch from per-trajectory Python lists.
+
+    Optional fields are added when given: ``started_at`` (one time for all or one per
+    trajectory), ``response_masks`` (default all True), ``reward_components`` ([B][C]) and
+    ``routed_experts`` (one int tensor ``[len(response_i), L, k]`` per trajectory).
+    """
     b = len(prompts)
-    return TensorDict(
-        {
-            "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
-            "response_lens": torch.tensor([len(r) for r in responses], dtype=torch.int64),
-            "prompt_tokens": torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
-            "response_tokens": torch.tensor([t for r in responses for t in r], dtype=torch.int64),
-            "response_mask": torch.ones(sum(len(r) for r in responses), dtype=torch.bool),
-            "behaviour_logprobs": torch.tensor([x for lp in logprobs for x in lp], dtype=torch.float32),
-            "policy_version": torch.tensor([v for vs in versions for v in vs], dtype=torch.int64),
-            "reward": torch.tensor(rewards, dtype=torch.float32),
-            "group_id": torch.tensor(group_ids, dtype=torch.int64),
-            "traj_id": torch.tensor(traj_ids, dtype=torch.int64),
-            "worker_id": torch.full((b,), worker_id, dtype=torch.int64),
-            "created_at": torch.full((b,), created_at, dtype=torch.float64),
-        },
-        batch_size=[],
-    )
+    n_resp = sum(len(r) for r in responses)
+    out = {
+        "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+        "response_lens": torch.tensor([len(r) for r in responses], dtype=torch.int64),
+        "prompt_tokens": torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
+        "response_tokens": torch.tensor([t for r in responses for t in r], dtype=torch.int64),
+        "response_mask": (torch.tensor([m for ms in response_masks for m in ms], dtype=torch.bool)
+                          if response_masks is not None else torch.ones(n_resp, dtype=torch.bool)),
+        "behaviour_logprobs": torch.tensor([x for lp in logprobs for x in lp], dtype=torch.float32),
+        "policy_version": torch.tensor([v for vs in versions for v in vs], dtype=torch.int64),
+        "reward": torch.tensor(rewards, dtype=torch.float32),
+        "group_id": torch.tensor(group_ids, dtype=torch.int64),
+        "traj_id": torch.tensor(traj_ids, dtype=torch.int64),
+        "worker_id": torch.full((b,), worker_id, dtype=torch.int64),
+        "created_at": torch.full((b,), created_at, dtype=torch.float64),
+    }
+    if started_at is not None:
+        out["started_at"] = (torch.full((b,), started_at, dtype=torch.float64) if isinstance(started_at, (int, float))
+                             else torch.tensor(started_at, dtype=torch.float64))
+    if reward_components is not None:
+        out["reward_components"] = torch.tensor(reward_components, dtype=torch.float32).reshape(b, -1)
+    if routed_experts is not None:
+        out["routed_experts"] = torch.cat([torch.as_tensor(r).to(torch.int16) for r in routed_experts])
+    return TensorDict(out, batch_size=[])
 
 
 def split_trajectories(td: TensorDict) -> list[TensorDict]:
@@ -149,7 +231,7 @@ def split_trajectories(td: TensorDict) -> list[TensorDict]:
     for i in range(len(p_lens)):
         item = {}
         for key in td.keys():
-            _, _, axis = FIELDS.get(key) or OPTIONAL_FIELDS[key]
+            _, _, axis = ALL_FIELDS[key]
             t = td[key]
             if axis == "traj":
                 item[key] = t[i : i + 1]
@@ -162,8 +244,14 @@ def split_trajectories(td: TensorDict) -> list[TensorDict]:
 
 
 def concat_trajectories(items: list[TensorDict]) -> TensorDict:
-    """Concatenate packed batches (inverse of :func:`split_trajectories`)."""
-    keys = [k for k in items[0].keys()]
+    """Concatenate packed batches (inverse of :func:`split_trajectories`).
+
+    Optional keys are kept only when every item has them (an optional field describes the
+    whole batch or nothing), so batches from workers with and without routing replay mix.
+    """
+    if not items:
+        raise ValueError("concat_trajectories needs at least one batch, got 0")
+    keys = [k for k in items[0].keys() if all(k in it.keys() for it in items)]
     return TensorDict({k: torch.cat([it[k] for it in items]) for k in keys}, batch_size=[])
 
 
@@ -184,6 +272,8 @@ def to_padded(td: TensorDict, pad_id: int) -> dict[str, torch.Tensor]:
         behaviour_logprobs: [B, T-1] log mu of the token at t+1 (0 where loss_mask is 0)
         policy_version: [B, T-1] version of the token at t+1 (-1 where loss_mask is 0)
         reward: [B], group_id: [B]
+        routed_experts: [B, T-1, L, k] int64 experts of the token at t+1 (-1 elsewhere);
+            only when the batch carries ``routed_experts``
     """
     p_lens, r_lens = td["prompt_lens"].tolist(), td["response_lens"].tolist()
     b = len(p_lens)
@@ -193,6 +283,9 @@ def to_padded(td: TensorDict, pad_id: int) -> dict[str, torch.Tensor]:
     loss_mask = torch.zeros((b, t_max - 1), dtype=torch.float32)
     blp = torch.zeros((b, t_max - 1), dtype=torch.float32)
     ver = torch.full((b, t_max - 1), -1, dtype=torch.int64)
+    routed = td.get("routed_experts", None)
+    experts = (torch.full((b, t_max - 1, *routed.shape[1:]), -1, dtype=torch.int64)
+               if routed is not None else None)
     po = ro = 0
     for i, (p, r) in enumerate(zip(p_lens, r_lens)):
         input_ids[i, :p] = td["prompt_tokens"][po : po + p]
@@ -202,8 +295,10 @@ def to_padded(td: TensorDict, pad_id: int) -> dict[str, torch.Tensor]:
         loss_mask[i, p - 1 : p - 1 + r] = td["response_mask"][ro : ro + r].float()
         blp[i, p - 1 : p - 1 + r] = td["behaviour_logprobs"][ro : ro + r]
         ver[i, p - 1 : p - 1 + r] = td["policy_version"][ro : ro + r]
+        if experts is not None:
+            experts[i, p - 1 : p - 1 + r] = routed[ro : ro + r]
         po, ro = po + p, ro + r
-    return {
+    out = {
         "input_ids": input_ids,
         "attention_mask": attn,
         "loss_mask": loss_mask,
@@ -212,6 +307,9 @@ def to_padded(td: TensorDict, pad_id: int) -> dict[str, torch.Tensor]:
         "reward": td["reward"].clone(),
         "group_id": td["group_id"].clone(),
     }
+    if experts is not None:
+        out["routed_experts"] = experts
+    return out
 
 
 def num_trajectories(td: TensorDict) -> int:

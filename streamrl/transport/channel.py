@@ -1,19 +1,33 @@
-"""ZeroMQ trajectory channel: many rollout workers (PUSH) → learner rank 0 (PULL).
+"""ZeroMQ trajectory channel: many rollout workers (DEALER) → learner rank 0 (ROUTER).
 
 Design choice: **rank 0 receives and broadcasts**. One socket, one place that deduplicates,
 checks sequence numbers and applies the staleness filter; batches then reach the other
-data-parallel ranks through a ``torch.distributed`` broadcast (tensors, no pickle). With the
-small trajectory batches of RL (kilobytes to a few MB per step) the broadcast costs far less
-than a step, and a single admission point keeps group completion and dedup exact.
+data-parallel ranks through a ``torch.distributed`` broadcast (tensors, no pickle; see
+:mod:`streamrl.learner.distributed`). Why not one socket per DP rank: group-relative
+advantages need whole prompt groups and the staleness filter needs one view of what arrived,
+so per-rank receivers would need a second agreement round (which groups, which ranks) every
+step; the broadcast moves a batch that is small next to a training step (measured by
+``streamrl-bench transport``: the stream runs at wire speed, ~GB/s, while one step of even a
+tiny model takes ~100 ms for ~1 MB of trajectories). Per-rank receive becomes worth it
+only when trajectory bytes per step approach the broadcast bandwidth (GB/step).
 
-Backpressure: both sockets have a small high-water mark (``hwm`` messages). When the
-learner stalls, its receive queue fills, then the worker's send queue, and then
-``send()`` blocks the worker (PUSH blocks when all peers are at HWM): memory stays bounded
-at about ``2 * hwm`` messages, and a slow learner slows the workers instead of growing queues.
+Flow control (bounded memory, a slow learner slows workers): byte credits per worker on top
+of ZeroMQ high-water marks (:mod:`streamrl.transport.credits`). The learner grants credit when
+``poll`` reads a message; while it trains it does not poll, so each worker can have at most
+``credit_bytes`` (or one larger message) queued, and then ``send`` blocks or times out.
+Sockets and their invariants: :mod:`streamrl.transport.sockets`.
+
+Ordering and integrity: each sender has a random 63-bit ``session`` and numbers its data
+messages ``seq = 0, 1, 2, ...``. The receiver tracks ``(worker_id, session)``: a jump is a gap
+(messages lost: counted, logged), a step back is a replay (counted); a new session of a known
+worker is a restart (counted). Trajectory ids seen within ``dedup_window`` are dropped as
+duplicates. Every rejected message increments ``rejected[reason]`` and is logged (rate
+limited); the receiver never raises on network input.
 """
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import Counter, OrderedDict
 
@@ -28,116 +42,248 @@ from streamrl.trajectory import (
     validate_trajectories,
 )
 from streamrl.transport.codec import FrameError, Limits, decode, encode
+from streamrl.transport.credits import CreditLedger, CreditWindow, unpack_grant
+from streamrl.transport.sockets import learner_socket, recv_bounded, worker_socket
 
 log = logging.getLogger(__name__)
 KIND = "trajectories"
+HELLO = "hello"
+DEFAULT_CREDIT_BYTES = 64 * 1024 * 1024
+_INT63 = 1 << 63
+
+
+def _is_u63(x) -> bool:
+    return type(x) is int and 0 <= x < _INT63
 
 
 class TrajectorySender:
-    """Worker side: connects a PUSH socket to the learner's endpoint and sends batches."""
+    """Worker side: sends trajectory batches to the learner, within its byte credit.
 
-    def __init__(self, endpoint: str, worker_id: int, hwm: int = 8, ctx: zmq.Context | None = None):
+    Args:
+        endpoint: the learner's endpoint (from Redis: ``Coordinator.wait_endpoint``).
+        worker_id: this worker's id (every trajectory's ``worker_id`` must match it).
+        hwm: send high-water mark in messages (second fence after credits).
+        resync_s: after this long blocked without a grant, send HELLO again (recovers a
+            restarted learner or a lost grant).
+
+    ``send`` returns once the message is queued; the tensors must not be modified until
+    then-queued data is flushed (they are sent zero-copy), which callers get for free by
+    building a fresh batch per send.
+    """
+
+    def __init__(self, endpoint: str, worker_id: int, hwm: int = 8, ctx: zmq.Context | None = None,
+                 *, resync_s: float = 2.0):
         self.ctx = ctx or zmq.Context.instance()
-        self.worker_id = worker_id
+        self.worker_id = int(worker_id)
+        self.session = secrets.randbits(63)
         self.seq = 0
-        # PUSH: SNDHWM bounds queued outgoing messages; when full, send blocks (backpressure).
-        # LINGER 2 s on close: pending trajectories get a short chance to flush, then are
-        # dropped rather than hanging shutdown forever.
-        self.sock = self.ctx.socket(zmq.PUSH)
-        self.sock.setsockopt(zmq.SNDHWM, hwm)
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.connect(endpoint)
+        self.resync_s = resync_s
+        self.credit = CreditWindow()
+        self.blocked_s = 0.0
+        self.hellos = 0
+        self.sock = worker_socket(self.ctx, endpoint, hwm, f"{self.worker_id}:{self.session}".encode())
+        self._last_progress = time.monotonic()
+        self._hello()
+
+    def _hello(self) -> None:
+        meta = {"worker_id": self.worker_id, "session": self.session, "sent_bytes": self.credit.sent}
+        try:  # a HELLO that does not fit right now is retried on the next resync
+            self.sock.send_multipart(encode({}, HELLO, meta), zmq.NOBLOCK)
+            self.hellos += 1
+        except zmq.Again:
+            pass
+        self._last_progress = time.monotonic()
+
+    def _drain_grants(self) -> bool:
+        got = False
+        while True:
+            try:
+                data = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return got
+            grant = unpack_grant(data)
+            if grant is not None:
+                self.credit.grant(*grant)
+                got = True
 
     def send(self, td: TensorDict, timeout_s: float | None = None) -> bool:
         """Send one trajectory batch; blocks while the learner is backed up.
 
-        Returns False if ``timeout_s`` passed without the message being queued.
+        Returns False if ``timeout_s`` passed without the message being queued (nothing was
+        sent; call again with the same batch).
         """
-        meta = {"worker_id": self.worker_id, "seq": self.seq, "trajectory_schema": SCHEMA_VERSION}
+        meta = {"worker_id": self.worker_id, "session": self.session, "seq": self.seq,
+                "trajectory_schema": SCHEMA_VERSION, "sent_at": time.time()}
         frames = encode(dict(td.items()), KIND, meta)
-        if timeout_s is not None and not self.sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+        nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        t0 = time.monotonic()
+        deadline = None if timeout_s is None else t0 + timeout_s
+        self._drain_grants()
+        while not self.credit.may_send(nbytes):
+            now = time.monotonic()
+            if now - self._last_progress > self.resync_s:
+                self._hello()
+            wait = self.resync_s if deadline is None else min(self.resync_s, deadline - now)
+            if wait <= 0:
+                self.blocked_s += time.monotonic() - t0
+                return False
+            if self.sock.poll(max(1, int(wait * 1000)), zmq.POLLIN) and self._drain_grants():
+                self._last_progress = time.monotonic()
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if remaining is not None and not self.sock.poll(int(remaining * 1000), zmq.POLLOUT):
+            self.blocked_s += time.monotonic() - t0
             return False
         self.sock.send_multipart(frames, copy=False)
+        self.credit.sent_message(nbytes)
         self.seq += 1
+        self.blocked_s += time.monotonic() - t0
         return True
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the learner has read everything sent (graceful shutdown); True if so."""
+        deadline = time.monotonic() + timeout_s
+        while self.credit.in_flight() > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if time.monotonic() - self._last_progress > self.resync_s:
+                self._hello()
+            if self.sock.poll(max(1, int(min(remaining, self.resync_s) * 1000)), zmq.POLLIN) and self._drain_grants():
+                self._last_progress = time.monotonic()
+        return True
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "transport/sent_messages": self.seq,
+            "transport/sent_bytes": self.credit.sent,
+            "transport/in_flight_bytes": self.credit.in_flight(),
+            "transport/blocked_s": self.blocked_s,
+            "transport/hellos": self.hellos,
+        }
 
     def close(self) -> None:
         self.sock.close()
 
 
 class TrajectoryReceiver:
-    """Learner side: binds a PULL socket, decodes, validates, dedups and counts.
+    """Learner side: binds the ROUTER socket, decodes, validates, dedups, counts, grants credit.
 
-    Every rejected message increments ``rejected[reason]`` and is logged (rate-limited);
-    the receiver never raises on bad input.
+    Args:
+        bind: ZeroMQ endpoint to bind (``tcp://host:*`` for a free port; read ``.endpoint``).
+        hwm: receive high-water mark in messages per worker.
+        limits: codec limits checked before allocating.
+        dedup_window: how many recent trajectory ids are remembered for duplicate drops.
+        credit_bytes: bytes each worker may have in flight (the memory bound per worker).
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:*", hwm: int = 8, limits: Limits = Limits(),
-                 ctx: zmq.Context | None = None, dedup_window: int = 1_000_000):
+                 ctx: zmq.Context | None = None, dedup_window: int = 1_000_000,
+                 *, credit_bytes: int = DEFAULT_CREDIT_BYTES):
         self.ctx = ctx or zmq.Context.instance()
-        # PULL: RCVHWM bounds queued incoming messages; when full, peers' sends block.
-        # MAXMSGSIZE drops oversized messages inside libzmq before they are buffered whole.
-        # LINGER 0: on close, undelivered input is discarded (workers' own queues hold it).
-        self.sock = self.ctx.socket(zmq.PULL)
-        self.sock.setsockopt(zmq.RCVHWM, hwm)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
-        self.sock.bind(bind)
+        self.sock = learner_socket(self.ctx, bind, hwm, limits)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.limits = limits
+        self.ledger = CreditLedger(credit_bytes)
         self.rejected: Counter[str] = Counter()
         self.received_messages = 0
         self.received_trajectories = 0
         self.received_bytes = 0
         self.seq_gaps = 0
+        self.seq_replays = 0
+        self.restarts = 0
         self.duplicates = 0
-        self._next_seq: dict[int, int] = {}
+        self.hellos = 0
+        self._latency_sum = 0.0
+        self._latency_n = 0
+        self._next_seq: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._session_of: dict[int, int] = {}
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._dedup_window = dedup_window
         self._last_log = 0.0
         self.max_version: int | None = None
 
-    def poll(self, timeout_s: float) -> list[TensorDict]:
-        """Receive all messages that arrive within ``timeout_s`` (at least waits once)."""
-        out = []
+    def poll(self, timeout_s: float, max_messages: int = 256) -> list[TensorDict]:
+        """Receive trajectory batches arriving within ``timeout_s``.
+
+        Returns as soon as at least one batch was accepted (after draining what is already
+        queued, up to ``max_messages`` reads), or an empty list at the deadline.
+        """
+        out: list[TensorDict] = []
         deadline = time.monotonic() + timeout_s
+        reads = 0
         while True:
-            remaining = max(0.0, deadline - time.monotonic())
-            if not self.sock.poll(int(remaining * 1000), zmq.POLLIN):
-                return out
-            while True:
+            if not self.sock.poll(0, zmq.POLLIN):
+                self._grant(everything=True)  # about to wait: nobody may stay blocked on us
+                remaining = max(0.0, deadline - time.monotonic())
+                if not self.sock.poll(int(remaining * 1000), zmq.POLLIN):
+                    return out
+            while reads < max_messages:
                 try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    peer, frames, nbytes, error = recv_bounded(self.sock, self.limits)
                 except zmq.Again:
                     break
-                td = self._accept(frames)
+                reads += 1
+                td = self._handle(peer, frames, nbytes, error)
                 if td is not None:
                     out.append(td)
-            if out:
+            if out or reads >= max_messages or time.monotonic() >= deadline:
+                # Queue drained: send every owed grant, since the caller may now train for a while.
+                self._grant(everything=not self.sock.poll(0, zmq.POLLIN))
                 return out
+            self._grant()
 
-    def _accept(self, frames) -> TensorDict | None:
+    def _grant(self, everything: bool = False) -> None:
+        for peer, grant in self.ledger.pending_grants(everything):
+            try:
+                self.sock.send_multipart([peer, grant], zmq.NOBLOCK)
+            except zmq.ZMQError:  # peer gone or its pipe full: it resyncs by HELLO
+                pass
+
+    def _handle(self, peer: bytes, frames, nbytes: int, error: FrameError | None) -> TensorDict | None:
         self.received_messages += 1
-        self.received_bytes += sum(len(f.buffer) for f in frames)
+        self.received_bytes += nbytes
+        accounted = False
         try:
-            _, meta, tensors = decode(frames, self.limits, expect_kind=KIND)
-            if meta.get("trajectory_schema") != SCHEMA_VERSION:
-                raise FrameError("bad_schema_version", f"trajectory schema {meta.get('trajectory_schema')!r}")
-            worker, seq = meta.get("worker_id"), meta.get("seq")
-            if not isinstance(worker, int) or not isinstance(seq, int):
-                raise FrameError("bad_meta", "worker_id and seq must be integers")
-            td = TensorDict(tensors, batch_size=[])
-            validate_trajectories(td, max_version=self.max_version)
-            if not (td["worker_id"] == worker).all():
-                raise FrameError("worker_mismatch", f"trajectories claim another worker than {worker}")
+            if error is not None:
+                raise error
+            kind, meta, tensors = decode(frames, self.limits)
+            if kind == HELLO:
+                accounted = True  # HELLOs are outside the byte budget; answered either way
+                self._hello(peer, meta)
+                return None
+            self.ledger.consume(peer, nbytes)
+            accounted = True
+            if kind != KIND:
+                raise FrameError("bad_kind", f"kind {kind[:32]!r}, expected {KIND!r}")
+            return self._accept(meta, tensors)
         except (FrameError, TrajectoryError) as e:
+            if not accounted:  # garbage still used queue space; a worker clamps consumed to sent
+                self.ledger.consume(peer, nbytes)
             self._reject(e.reason, str(e))
             return None
-        expected = self._next_seq.get(worker)
-        if expected is not None and seq > expected:
-            self.seq_gaps += seq - expected
-            log.warning("worker %d: sequence gap %d..%d (%d messages missing)", worker, expected, seq - 1, seq - expected)
-        self._next_seq[worker] = max(seq + 1, expected or 0)
+
+    def _hello(self, peer: bytes, meta: dict) -> None:
+        if not (_is_u63(meta.get("worker_id")) and _is_u63(meta.get("session")) and _is_u63(meta.get("sent_bytes"))):
+            self.ledger.consume(peer, 0)  # still answer, so the peer learns the window
+            raise FrameError("bad_meta", "hello needs integer worker_id, session, sent_bytes")
+        self.hellos += 1
+        self.ledger.resync(peer, meta["sent_bytes"])
+
+    def _accept(self, meta: dict, tensors: dict) -> TensorDict | None:
+        if meta.get("trajectory_schema") != SCHEMA_VERSION:
+            raise FrameError("bad_schema_version", f"trajectory schema {str(meta.get('trajectory_schema'))[:32]!r}")
+        worker, session, seq = meta.get("worker_id"), meta.get("session", 0), meta.get("seq")
+        if not (_is_u63(worker) and _is_u63(session) and _is_u63(seq)):
+            raise FrameError("bad_meta", "worker_id, session and seq must be integers in [0, 2**63)")
+        validate_trajectories(tensors, max_version=self.max_version)
+        td = TensorDict(tensors, batch_size=[])
+        if not (td["worker_id"] == worker).all():
+            raise FrameError("worker_mismatch", f"trajectories claim another worker than {worker}")
+        self._track_seq(worker, session, seq)
+        sent_at = meta.get("sent_at")
+        if isinstance(sent_at, float):
+            self._latency_sum += max(0.0, time.time() - sent_at)
+            self._latency_n += 1
         keep = []
         for i, tid in enumerate(td["traj_id"].tolist()):
             if tid in self._seen:
@@ -154,6 +300,26 @@ class TrajectoryReceiver:
             td = concat_trajectories([parts[i] for i in keep])
         self.received_trajectories += len(keep)
         return td
+
+    def _track_seq(self, worker: int, session: int, seq: int) -> None:
+        key = (worker, session)
+        expected = self._next_seq.get(key)
+        if expected is None:
+            # A session we have not seen: a new worker, a restarted one, or our own restart
+            # mid-stream (then seq > 0 is not a loss we can attribute, so no gap is counted).
+            if self._session_of.get(worker, session) != session:
+                self.restarts += 1
+                log.info("worker %d restarted (new session)", worker)
+            self._session_of[worker] = session
+        elif seq > expected:
+            self.seq_gaps += seq - expected
+            log.warning("worker %d: sequence gap %d..%d (%d messages missing)", worker, expected, seq - 1, seq - expected)
+        elif seq < expected:
+            self.seq_replays += 1
+        self._next_seq[key] = max(seq + 1, expected or 0)
+        self._next_seq.move_to_end(key)
+        while len(self._next_seq) > 65536:  # bounded even under session churn
+            self._next_seq.popitem(last=False)
 
     def mark_seen(self, traj_ids: list[int]) -> None:
         """Pre-load the dedup set (e.g. ids already trained before a resume)."""
@@ -173,8 +339,12 @@ class TrajectoryReceiver:
             "transport/trajectories": self.received_trajectories,
             "transport/bytes": self.received_bytes,
             "transport/seq_gaps": self.seq_gaps,
+            "transport/seq_replays": self.seq_replays,
+            "transport/sender_restarts": self.restarts,
             "transport/duplicates": self.duplicates,
+            "transport/hellos": self.hellos,
             "transport/rejected": sum(self.rejected.values()),
+            "transport/latency_ms_mean": 1000 * self._latency_sum / max(1, self._latency_n),
         }
         for reason, n in self.rejected.items():
             out[f"transport/rejected_{reason}"] = n
