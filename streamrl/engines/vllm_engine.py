@@ -178,7 +178,7 @@ class VLLMEngine:
         model = runner.get_model()
         self._clear_moe_kernels(model)
         runner.reload_weights(weights_iterator=self._checked(converted), is_checkpoint_format=True)
-        self.llm.reset_prefix_cache()
+        self.reset_prefix_cache()
         self.updates += 1
 
     @staticmethod
@@ -189,7 +189,9 @@ class VLLMEngine:
             yield name, t
 
     def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        """Drop every cached KV block; raises if vLLM refuses (requests still running)."""
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM did not reset the prefix cache (requests in flight): stale KV would be served")
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
