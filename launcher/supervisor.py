@@ -50,6 +50,9 @@ class Supervisor:
         self.coord = self.state.coord
         self.epoch = self.state.epoch()
         self.seen_stop = False
+        self._watch_endpoint_until: float | None = None
+        self._old_endpoint: str | None = None
+        self._config = self.coord.get_config() if self.head else None
 
     def on_signal(self, signum, frame) -> None:
         self.interrupted.append(signum)
@@ -87,6 +90,12 @@ class Supervisor:
                     return True
         try:
             stop = self.coord.stop_reason()
+            if self.head:
+                self._check_endpoint()
+                if self._config is not None and self.coord.get_config() is None:
+                    # Redis restarted empty: put back what new workers need to start.
+                    self.say("Redis lost the run's keys (restart without persistence); re-storing the config")
+                    self.coord.put_config(self._config)
             if not self.head:
                 if self.state.done() is not None:
                     return True
@@ -135,6 +144,21 @@ class Supervisor:
         lr.restarts += 1
         self.say(f"learner exited with {rc}; restart {lr.restarts}/{self.learner_restarts}"
                  f"{' with ' + ' '.join(self.restart_args) if self.restart_args else ' from scratch (no --resume)'}")
+        if self.keep_progress:
+            # Resume: workers keep running. Admission control and credits hold them back while
+            # the learner is away; it re-binds the same port, so what they queued is delivered.
+            lr.stop(grace_s=0)
+            self.state.reset_for_learner_restart(True)
+            self._old_endpoint = self.coord.r.get(self.coord.keys.endpoint("trajectories"))
+            for a in self.restart_args:
+                if a not in lr.cmd:
+                    lr.cmd.append(a)
+            lr.start()
+            for r in self.rollers:
+                if r.proc is None and not r.restarting:  # parked by a stop the old learner wrote
+                    r.start()
+            self._watch_endpoint_until = time.monotonic() + 600
+            return
         self.coord.request_stop("learner restarting")  # halt workers everywhere before the reset
         lr.stop(grace_s=0)  # reap stragglers of the old job
         for r in self.rollers:
@@ -149,6 +173,21 @@ class Supervisor:
         lr.start()
         for r in self.rollers:
             r.start()
+
+    def _check_endpoint(self) -> None:
+        """After a resume: if the learner could not re-bind its old port, workers (connected to
+        the old one) must restart to find the new endpoint; their queued data is lost then."""
+        if self._watch_endpoint_until is None:
+            return
+        if time.monotonic() > self._watch_endpoint_until:
+            self._watch_endpoint_until = None
+            return
+        ep = self.coord.r.get(self.coord.keys.endpoint("trajectories"))
+        if ep and ep != self._old_endpoint and self.learner.alive():
+            self._watch_endpoint_until = None
+            self.say(f"learner moved its trajectory endpoint ({self._old_endpoint} -> {ep}); restarting workers")
+            self.epoch = self.state.bump_epoch()
+            self._restart_rollers()
 
     def _restart_rollers(self) -> None:
         for r in self.rollers:

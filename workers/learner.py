@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -22,8 +23,12 @@ import torch.distributed as dist
 
 from streamrl.config import config_from_dict, load_config
 from streamrl.coord.coordinator import Coordinator
+from streamrl.learner.accounting import Ledger, split_id
 from streamrl.learner.buffer import StalenessBuffer
-from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from streamrl.learner.checkpoint import (checkpoint_dir, latest_checkpoint, load_checkpoint, load_extra,
+                                         save_checkpoint)
+from streamrl.learner.control import ControlPlane
+from streamrl.learner.journal import Journal
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.trainer import Trainer
 from streamrl.metrics import JsonlSink, RateLimitedRedisSink
@@ -75,18 +80,21 @@ def main(argv=None) -> int:
     trainer = Trainer(cfg)
     lc = cfg.learner
 
-    receiver = publisher = sink = redis_sink = None
+    receiver = publisher = sink = redis_sink = control = journal = None
+    ledger = Ledger(cfg.rollout.group_size)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         limits = Limits(max_message_bytes=cfg.transport.max_message_bytes)
-        receiver = TrajectoryReceiver(f"tcp://{args.bind_host}:*", hwm=cfg.transport.hwm, limits=limits)
-        port = receiver.endpoint.rsplit(":", 1)[1]
         advertise = args.advertise_host or (socket.gethostname() if args.bind_host == "0.0.0.0" else args.bind_host)
-        coord.set_endpoint("trajectories", f"tcp://{advertise}:{port}")
+        receiver = _bind_receiver(args, cfg, limits, coord if args.resume else None, log)
+        port = receiver.endpoint.rsplit(":", 1)[1]
+        endpoint = f"tcp://{advertise}:{port}"
+        coord.set_endpoint("trajectories", endpoint)
         publisher = ShmWeightPublisher(coord, args.run_id)
         sink = JsonlSink(run_dir / "metrics.jsonl")
         redis_sink = RateLimitedRedisSink(coord, "learner")
-        log.info("trajectory endpoint %s; %d ranks", coord.r.get(coord.keys.endpoint("trajectories")), trainer.world)
+        control = ControlPlane(coord, cfg.to_dict(), endpoint, ledger, cfg.rollout.prompts_per_batch)
+        log.info("trajectory endpoint %s; %d ranks", endpoint, trainer.world)
 
     def publish(version: int) -> dict[str, float]:
         tensors = trainer.full_tensors()
@@ -105,47 +113,80 @@ def main(argv=None) -> int:
     step = 0
     status = "completed"
     ck_root = checkpoint_dir(cfg)
+    base = {"duplicates": 0, "rejected": {}}  # receiver counters of earlier incarnations
     if args.resume:
         path = latest_checkpoint(ck_root) if args.resume == "latest" else Path(args.resume)
-        if path is None:
-            log.error("--resume: no complete checkpoint under %s", ck_root)
-            return 2
-        state, items, seen = load_checkpoint(path, trainer)
-        step, version = int(state["step"]), int(state.get("version", state["step"]))
-        samples, rewards = int(state.get("samples", 0)), list(state.get("rewards", []))
-        if rank == 0:
-            buffer.load_state(items, state.get("buffer", {}))
-            receiver.mark_seen(seen)
-        log.info("resumed from %s at step %d, version %d", path, step, version)
+        if path is None:  # crashed before the first checkpoint: start over, replay the journal
+            log.warning("--resume: no complete checkpoint under %s; starting at step 0 (journal replayed)", ck_root)
+        else:
+            state, items, seen = load_checkpoint(path, trainer)
+            step, version = int(state["step"]), int(state.get("version", state["step"]))
+            samples, rewards = int(state.get("samples", 0)), list(state.get("rewards", []))
+            if rank == 0:
+                buffer.load_state(items, state.get("buffer", {}))
+                receiver.mark_seen(seen)
+                ids = load_extra(path).get("trained_ids")
+                ledger.load_state_dict(state.get("ledger", {}), ids.tolist() if ids is not None else [])
+                base = {"duplicates": ledger.duplicates_dropped, "rejected": dict(ledger.rejected)}
+            log.info("resumed from %s at step %d, version %d", path, step, version)
+        # Versions never go back: continue above anything the lost incarnation published.
+        newest_old = coord.pending_version() if rank == 0 else -1
+        newest_old = broadcast_flag(newest_old)
+        if newest_old >= version:
+            if rank == 0:
+                buffer.rebase(newest_old, version, newest_old + 1)
+            log.info("versions up to v%d were published before the restart; continuing at v%d", newest_old,
+                     newest_old + 1)
+            version = newest_old + 1
+    resumed_step = step
+    if rank == 0:
+        journal = Journal(ck_root, resumed_step)
+        if args.resume:
+            _replay(journal, resumed_step, receiver, buffer, ledger, control, log)
+
+    def report_counters() -> None:
+        """Fold the live receiver's counters into the ledger (totals across incarnations)."""
+        ledger.duplicates_dropped = base["duplicates"] + receiver.duplicates
+        ledger.rejected = Counter(base["rejected"]) + Counter(receiver.rejected)
 
     def checkpoint() -> None:
         items, bmeta = buffer.export_state() if rank == 0 else (None, {})
         # The receiver's dedup window (private in the channel; read-only here).
         seen = list(getattr(receiver, "_seen", {}).keys()) if rank == 0 else []
+        extra = None
+        if rank == 0:
+            report_counters()
+            extra = {"trained_ids": ledger.trained_ids_tensor()}
         save_checkpoint(ck_root, step, trainer, {"version": version, "samples": samples, "rewards": rewards,
-                                                 "buffer": bmeta}, items, seen, cfg.checkpoint.keep_last)
+                                                 "buffer": bmeta, "ledger": ledger.state_dict() if rank == 0 else {}},
+                        items, seen, cfg.checkpoint.keep_last, extra_tensors=extra)
+        if rank == 0:
+            journal.rotate(step)
 
     publish(version)
+    if rank == 0:
+        control.assert_state(version, _accounted_groups(ledger, buffer, cfg))
     try:
         while step < cfg.run.steps:
             t_wait = time.perf_counter()
             batch = None
             stop = 0
             if rank == 0:
-                batch, stop = _collect(receiver, buffer, coord, lc, version, args.starve_timeout, log)
+                batch, stop = _collect(receiver, buffer, coord, lc, version, args.starve_timeout, log,
+                                       ledger, control, journal, cfg)
             idle = time.perf_counter() - t_wait
             if broadcast_flag(stop):
                 status = "stopped: " + (coord.stop_reason() or "starved")
                 break
             batch = broadcast_batch(batch)
+            if rank == 0:
+                ledger.on_train(batch)
             t_step = time.perf_counter()
             metrics = trainer.step(batch)
             version += 1
             step += 1
             if step % lc.publish_interval == 0 or step == cfg.run.steps:
                 metrics.update(publish(version))
-            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-                checkpoint()
             step_s = time.perf_counter() - t_step
             if rank == 0:
                 idle_total += idle
@@ -164,6 +205,11 @@ def main(argv=None) -> int:
                     "learner/buffer_trajectories": buffer.pending_trajectories(),
                     # cumulative trained trajectories per version lag (streamrl-monitor's histogram)
                     **{f"learner/staleness_hist/{lag}": float(n) for lag, n in buffer.lag_histogram.items()},
+                    "learner/accepted": ledger.accepted,
+                    "learner/trained_total": ledger.trained,
+                    "learner/duplicated": ledger.duplicated,
+                    "learner/workers_alive": len(control.alive()),
+                    "learner/redis_reasserts": control.reasserts,
                     "time": time.time(),
                     "wall_s": time.time() - t_start,
                     **receiver.stats(),
@@ -173,6 +219,8 @@ def main(argv=None) -> int:
                 if step % 10 == 0 or step == cfg.run.steps:
                     log.info("step %d v%d reward %.3f samples %d idle %.0f%%", step, version,
                              metrics["learner/reward_mean"], samples, 100 * metrics["learner/idle_frac"])
+            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+                checkpoint()  # after the bookkeeping above, so the saved counters include this step
         if cfg.checkpoint.save_on_stop and step > 0 and not (
                 cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0):
             checkpoint()  # clean stop (steps done or stop requested): every rank is here
@@ -182,7 +230,13 @@ def main(argv=None) -> int:
     finally:
         if rank == 0:
             wall = time.time() - t_start
+            report_counters()
             summary = _summary(step, samples, wall, rewards, version, buffer, idle_total, receiver, status)
+            summary["accounting"] = ledger.summary(buffer.pending_trajectories(), buffer.dropped_stale,
+                                                   buffer.dropped_overflow)
+            summary["resumed_from_step"] = resumed_step if args.resume else None
+            summary["final_version"] = version
+            summary["redis_reasserts"] = control.reasserts
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             coord.request_stop(status)
             redis_sink.close()
@@ -195,11 +249,12 @@ def main(argv=None) -> int:
     return 0 if status == "completed" else 1
 
 
-def _collect(receiver, buffer, coord, lc, version, starve_timeout, log):
+def _collect(receiver, buffer, coord, lc, version, starve_timeout, log, ledger, control, journal, cfg):
     """Receive until ``groups_per_step`` complete, fresh groups are ready. Returns (batch, stop)."""
     receiver.max_version = version
     t0 = last_refund = time.monotonic()
     while True:
+        control.tick(version, _accounted_groups(ledger, buffer, cfg))
         dropped = buffer.drop_stale(version)
         if dropped:
             coord.refund(dropped)
@@ -219,7 +274,70 @@ def _collect(receiver, buffer, coord, lc, version, starve_timeout, log):
             coord.refund(short)
             last_refund = now
         for td in receiver.poll(0.2):
-            buffer.add(td)
+            _admit(td, buffer, ledger, control, journal, log)
+
+
+def _admit(td, buffer, ledger, control, journal, log, replay: bool = False) -> bool:
+    """Learner-level gates after the transport's: a registered worker; then journal, count, buffer."""
+    for w in torch.unique(td["worker_id"]).tolist():
+        if not control.is_known(int(w)):
+            ledger.rejected["unknown_worker"] += 1
+            log.warning("rejected %d trajectories from unregistered worker %d", td["traj_id"].numel(), w)
+            return False
+    if not replay:
+        journal.append(td)  # before anything can lose it
+    for gid in torch.unique(td["group_id"]).tolist():
+        w, inc, _ = split_id(int(gid))
+        control.note_incarnation(w, inc)
+    ledger.on_accept(td)
+    buffer.add(td)
+    return True
+
+
+def _replay(journal, after_step, receiver, buffer, ledger, control, log) -> None:
+    """Re-admit what the lost incarnation accepted after the checkpoint (dedup by trajectory id)."""
+    n = 0
+    for td in journal.replay(after_step):
+        ids = td["traj_id"].tolist()
+        seen = getattr(receiver, "_seen", {})
+        keep = [i for i, t in enumerate(ids) if t not in seen]
+        if not keep:
+            continue
+        if len(keep) < len(ids):
+            from streamrl.trajectory import concat_trajectories, split_trajectories
+            parts = split_trajectories(td)
+            td = concat_trajectories([parts[i] for i in keep])
+        receiver.mark_seen([ids[i] for i in keep])
+        for w in torch.unique(td["worker_id"]).tolist():
+            ledger.known_workers.add(int(w))
+        if _admit(td, buffer, ledger, control, journal, log, replay=True):
+            ledger.replayed += len(keep)
+            journal.append(td)  # the new segment holds it too, until the next checkpoint
+            n += len(keep)
+    lost = getattr(journal, "unreadable", 0)
+    if lost:
+        ledger.lost["journal_unreadable_entries"] += lost
+    log.info("journal: replayed %d trajectories accepted after step %d", n, after_step)
+
+
+def _accounted_groups(ledger, buffer, cfg) -> int:
+    """Groups admission control should count as used: trained, dropped or waiting in the buffer."""
+    g = cfg.rollout.group_size
+    return (ledger.trained + buffer.dropped_stale + buffer.dropped_overflow) // g + len(buffer._groups)
+
+
+def _bind_receiver(args, cfg, limits, coord, log):
+    """Bind the trajectory socket; on a resume, on the previous port if free, so workers that kept
+    running reconnect by themselves and deliver what they queued during the outage."""
+    if coord is not None:
+        old = coord.r.get(coord.keys.endpoint("trajectories"))
+        if old:
+            try:
+                return TrajectoryReceiver(f"tcp://{args.bind_host}:{old.rsplit(':', 1)[1]}", hwm=cfg.transport.hwm,
+                                          limits=limits)
+            except Exception as e:  # zmq.ZMQError (port taken): workers will be restarted by the launcher
+                log.warning("could not re-bind the previous trajectory port (%s); binding a new one", e)
+    return TrajectoryReceiver(f"tcp://{args.bind_host}:*", hwm=cfg.transport.hwm, limits=limits)
 
 
 def batch_lags(batch, version: int) -> float:

@@ -1,7 +1,10 @@
 """Coordinator: typed operations on a run's Redis control plane.
 
 All processes talk to Redis only through this class. Connections retry with bounded
-exponential backoff (redis-py ``Retry``), so a Redis restart costs a pause, not a crash.
+exponential backoff for up to ``OUTAGE_S`` (:class:`OutageRetry`, one log line when Redis goes
+away and one when it is back), so a Redis restart costs a pause, not a crash. The embedded
+Redis keeps nothing across a restart: owners re-assert their keys (the learner: config,
+endpoint, version + manifest, capacity; see ``reassert_version`` and ``set_capacity``).
 """
 from __future__ import annotations
 
@@ -33,15 +36,77 @@ return 1
 """
 
 
-def connect(url: str, retries: int = 8) -> redis.Redis:
-    """A Redis client that retries connection errors with backoff capped at 2 s."""
+# How long one Redis call keeps retrying a lost connection before it raises (bounded: no
+# process hangs forever on a dead Redis). A restart of the embedded Redis takes ~1 s.
+OUTAGE_S = 60.0
+
+
+class OutageRetry(Retry):
+    """redis-py ``Retry`` bounded by time (``outage_s``), with one log line per outage.
+
+    redis-py calls ``call_with_retry`` around every command; on connection errors we back off
+    exponentially (capped at 2 s) until ``outage_s`` has passed, then raise. The first failure
+    logs one WARNING ("unreachable ... retrying"), the first success after it one INFO
+    ("reachable again"), so a restart shows up as exactly two lines per process.
+    """
+
+    def __init__(self, url: str, outage_s: float = OUTAGE_S):
+        super().__init__(ExponentialBackoff(cap=2.0, base=0.05), -1,
+                         (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError, OSError))
+        self.where = _redact(url)
+        self.outage_s = outage_s
+        self.down_since: float | None = None
+        self.outages = 0
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        self._backoff.reset()
+        failures = 0
+        while True:
+            try:
+                out = do()
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                fail(error, failures) if with_failure_count else fail(error)
+                now = time.monotonic()
+                if self.down_since is None:
+                    self.down_since = now
+                    self.outages += 1
+                    log.warning("Redis %s unreachable (%s); retrying with backoff for up to %.0f s",
+                                self.where, error, self.outage_s)
+                if now - self.down_since > self.outage_s:
+                    raise
+                time.sleep(self._backoff.compute(failures))
+                continue
+            if self.down_since is not None:
+                log.warning("Redis %s reachable again after %.1f s", self.where, time.monotonic() - self.down_since)
+                self.down_since = None
+            return out
+
+
+def _redact(url: str) -> str:
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    return url.replace(f":{u.password}@", ":***@", 1) if u.password else url
+
+_MAX_SET = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) > cur then redis.call('SET', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+
+def connect(url: str, outage_s: float = OUTAGE_S) -> redis.Redis:
+    """A Redis client that survives Redis restarts of up to ``outage_s`` (see :class:`OutageRetry`)."""
     return redis.Redis.from_url(
         url,
         decode_responses=True,
         socket_connect_timeout=2.0,
         socket_timeout=5.0,
         health_check_interval=10,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
+        retry=OutageRetry(url, outage_s),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )
 
@@ -49,11 +114,14 @@ def connect(url: str, retries: int = 8) -> redis.Redis:
 class Coordinator:
     """Run-scoped control-plane operations (versions, endpoints, heartbeats, capacity, stop)."""
 
-    def __init__(self, url: str, run: str):
+    def __init__(self, url: str, run: str, outage_s: float = OUTAGE_S):
         self.url = url
         self.keys = Keys(run)
-        self.r = connect(url)
+        self.r = connect(url, outage_s)
         self._reserve = self.r.register_script(_RESERVE)
+        self._max_set = self.r.register_script(_MAX_SET)
+        self.last_published: tuple[int, dict[str, Any]] | None = None
+        """(version, manifest) of the newest :meth:`publish_version` call, for :meth:`reassert_version`."""
 
     # -- run metadata -------------------------------------------------------------------
     def put_config(self, cfg: dict[str, Any]) -> None:
@@ -74,7 +142,22 @@ class Coordinator:
         if version - keep >= 0:
             pipe.delete(self.keys.manifest(version - keep))
         pipe.execute()
+        self.last_published = (version, manifest)
         self.gc_versions(keep)
+
+    def reassert_version(self) -> bool:
+        """Write the newest published version and its manifest again (after Redis lost its state:
+        the embedded Redis has no persistence). True when there was one to write."""
+        if self.last_published is None:
+            return False
+        version, manifest = self.last_published
+        pipe = self.r.pipeline()
+        pipe.set(self.keys.manifest(version), json.dumps(manifest))
+        pipe.zadd(self.keys.weights_versions, {str(version): version})
+        pipe.set(self.keys.version, version)
+        pipe.publish(self.keys.weights_channel, str(version))
+        pipe.execute()
+        return True
 
     def current_version(self) -> int:
         raw = self.r.get(self.keys.version)
@@ -224,6 +307,20 @@ class Coordinator:
             args=[groups, max_staleness, groups_per_step],
         )
         return int(res) == 1
+
+    def set_capacity(self, accounted_groups: int) -> None:
+        """Re-assert admission control: ``reserved - refunded := accounted_groups`` (groups already
+        trained, dropped or buffered). Used after a resume or a Redis restart, when the counters
+        are stale or gone; reservations of workers still generating are forgotten, which can admit
+        at most their in-flight groups extra (the staleness filter still bounds what is trained)."""
+        pipe = self.r.pipeline()
+        pipe.set(self.keys.reserved, max(0, int(accounted_groups)))
+        pipe.set(self.keys.refunded, 0)
+        pipe.execute()
+
+    def raise_counter(self, key: str, value: int) -> None:
+        """``key := max(key, value)`` atomically (e.g. a worker's incarnation after a Redis restart)."""
+        self._max_set(keys=[key], args=[int(value)])
 
     def refund(self, groups: int) -> None:
         """Give back reservations whose groups will never be trained (dropped, abandoned)."""

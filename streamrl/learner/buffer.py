@@ -22,7 +22,26 @@ class StalenessBuffer:
         self._groups: OrderedDict[int, list[TensorDict]] = OrderedDict()
         self.dropped_stale = 0
         self.dropped_stale_groups = 0
+        self.dropped_overflow = 0  # trajectories beyond group_size in a group (never trained; counted)
         self.lag_histogram: Counter[int] = Counter()
+        # Version rebase rules after a resume that skipped version numbers (see :meth:`rebase`).
+        self.rebases: list[tuple[int, int, int]] = []
+
+    def rebase(self, newest_old: int, ancestor: int, new_version: int) -> None:
+        """After a resume: the model is checkpoint version ``ancestor``, versions up to
+        ``newest_old`` were published by the lost lineage, and the learner continues at
+        ``new_version`` (version numbers never go back). For staleness, a token version
+        ``v <= newest_old`` counts as ``min(v, ancestor) + (new_version - ancestor)``: data older
+        than the checkpoint keeps its true lag, data of the lost branch counts as fresh."""
+        if new_version != ancestor:
+            self.rebases.append((int(newest_old), int(ancestor), int(new_version)))
+
+    def effective_version(self, td: TensorDict) -> int:
+        v = min_version(td)
+        for newest_old, ancestor, new in self.rebases:
+            if v <= newest_old:
+                v = min(v, ancestor) + (new - ancestor)
+        return v
 
     def add(self, td: TensorDict) -> None:
         for item in split_trajectories(td):
@@ -39,7 +58,7 @@ class StalenessBuffer:
         dropped = 0
         for gid in list(self._groups):
             items = self._groups[gid]
-            if version - min(min_version(t) for t in items) > self.max_staleness:
+            if version - min(self.effective_version(t) for t in items) > self.max_staleness:
                 self.dropped_stale += len(items)
                 self.dropped_stale_groups += 1
                 del self._groups[gid]
@@ -53,8 +72,10 @@ class StalenessBuffer:
             return None
         items = []
         for gid in ready[:n_groups]:
-            group = self._groups.pop(gid)[: self.group_size]
-            self.lag_histogram[version - min(min_version(t) for t in group)] += len(group)
+            whole = self._groups.pop(gid)
+            group = whole[: self.group_size]
+            self.dropped_overflow += len(whole) - len(group)
+            self.lag_histogram[version - min(self.effective_version(t) for t in group)] += len(group)
             items.extend(group)
         return concat_trajectories(items)
 
@@ -69,7 +90,8 @@ class StalenessBuffer:
             common = set.intersection(*(set(t.keys()) for t in items))
             items = [t.select(*common) for t in items]  # optional keys only when every item has them
         meta = {"dropped_stale": self.dropped_stale, "dropped_stale_groups": self.dropped_stale_groups,
-                "lag_histogram": {str(k): v for k, v in self.lag_histogram.items()}}
+                "lag_histogram": {str(k): v for k, v in self.lag_histogram.items()},
+                "dropped_overflow": self.dropped_overflow, "rebases": [list(r) for r in self.rebases]}
         return (concat_trajectories(items) if items else None), meta
 
     def load_state(self, items: TensorDict | None, meta: dict) -> None:
@@ -80,3 +102,5 @@ class StalenessBuffer:
         self.dropped_stale = int(meta.get("dropped_stale", 0))
         self.dropped_stale_groups = int(meta.get("dropped_stale_groups", 0))
         self.lag_histogram = Counter({int(k): int(v) for k, v in meta.get("lag_histogram", {}).items()})
+        self.dropped_overflow = int(meta.get("dropped_overflow", 0))
+        self.rebases = [tuple(map(int, r)) for r in meta.get("rebases", [])]

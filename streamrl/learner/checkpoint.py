@@ -115,7 +115,8 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def save_checkpoint(root: Path, step: int, trainer, learner_state: dict[str, Any] | None = None,
-                    buffer_items=None, seen_ids: list[int] | None = None, keep_last: int | None = None) -> Path:
+                    buffer_items=None, seen_ids: list[int] | None = None, keep_last: int | None = None,
+                    extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Save on every rank (collective). Returns the final directory.
 
     Args:
@@ -123,6 +124,8 @@ def save_checkpoint(root: Path, step: int, trainer, learner_state: dict[str, Any
         buffer_items: packed TensorDict of pending trajectories (rank 0), or None.
         seen_ids: the receiver's deduplication window (rank 0), or None.
         keep_last: delete older checkpoints beyond this many.
+        extra_tensors: more rank-0 tensors (e.g. the ledger's trained ids), read back with
+            :func:`load_extra`.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -142,6 +145,8 @@ def save_checkpoint(root: Path, step: int, trainer, learner_state: dict[str, Any
             tensors = {f"traj.{k}": v.contiguous() for k, v in (buffer_items.items() if buffer_items is not None else [])}
             tensors["seen_ids"] = torch.tensor(list(seen_ids or []), dtype=torch.int64)
             save_file(tensors, str(tmp / "buffer.safetensors"))
+        if extra_tensors:
+            save_file({k: v.contiguous() for k, v in extra_tensors.items()}, str(tmp / "extra.safetensors"))
         meta = {"step": step, "world": trainer.world, "ep": trainer.mesh.dims.ep, **(learner_state or {})}
         (tmp / "learner_state.json").write_text(json.dumps(meta, indent=1))
     _barrier()
@@ -190,3 +195,9 @@ def load_checkpoint(path: Path, trainer) -> tuple[dict[str, Any], Any, list[int]
         if t:
             items = TensorDict({k[len("traj."):]: v for k, v in t.items()}, batch_size=[])
     return meta, items, seen
+
+
+def load_extra(path: Path) -> dict[str, torch.Tensor]:
+    """The ``extra_tensors`` a checkpoint was saved with ({} if none)."""
+    f = Path(path) / "extra.safetensors"
+    return load_file(str(f)) if f.is_file() else {}

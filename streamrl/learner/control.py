@@ -1,0 +1,103 @@
+"""The learner's side of the control plane: re-assert its Redis state, watch workers come and go.
+
+Why re-assert: the embedded Redis runs without persistence (``--save ""``), so a Redis restart
+loses every key. The learner owns the run's truth (config, trajectory endpoint, newest version
+and its manifest, admission-control counters, worker incarnation counters) and writes it back
+as soon as it sees the state is gone; workers meanwhile retry with bounded backoff
+(:class:`streamrl.coord.coordinator.OutageRetry`) and carry on.
+
+Why watch heartbeats: a worker that dies holds admission-control reservations for groups it
+will never send. When its heartbeat TTL runs out the learner logs it, counts it, and refunds
+one batch worth of groups right away instead of waiting for the starvation timer.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from streamrl.coord.coordinator import Coordinator
+
+log = logging.getLogger(__name__)
+CHECK_S = 1.0
+
+
+class ControlPlane:
+    """Rank 0's periodic control-plane duties (call :meth:`tick` often; it rate-limits itself).
+
+    Args:
+        coord: the learner's coordinator.
+        config: the run config as a dict (re-stored after a Redis restart).
+        endpoint: the trajectory endpoint workers connect to.
+        ledger: the run's :class:`~streamrl.learner.accounting.Ledger` (worker join/leave counts).
+        refund_on_leave: groups to refund when a worker's heartbeat expires (its open batch).
+    """
+
+    def __init__(self, coord: Coordinator, config: dict, endpoint: str, ledger, refund_on_leave: int):
+        self.coord, self.config, self.endpoint, self.ledger = coord, config, endpoint, ledger
+        self.refund_on_leave = refund_on_leave
+        self.reasserts = 0
+        self.version = -1
+        self.accounted_groups = 0
+        self._alive: set[int] = set()
+        self._incarnations: dict[int, int] = {}
+        self._next = 0.0
+
+    def note_incarnation(self, worker: int, incarnation: int) -> None:
+        """Remember the newest incarnation seen per worker (ids must never repeat after a Redis loss)."""
+        if incarnation > self._incarnations.get(worker, -1):
+            self._incarnations[worker] = incarnation
+
+    def assert_state(self, version: int, accounted_groups: int) -> None:
+        """Write everything the learner owns (start, resume, or after Redis lost its state)."""
+        c = self.coord
+        c.put_config(self.config)
+        c.set_endpoint("trajectories", self.endpoint)
+        c.reassert_version()
+        c.set_capacity(accounted_groups)
+        for w, inc in self._incarnations.items():
+            c.raise_counter(f"streamrl:{c.keys.run}:incarnation:{w}", inc)
+        for w in self._alive:  # keep departures detectable after a restart wiped the registry
+            c.r.sadd(c.keys.workers, w)
+
+    def tick(self, version: int, accounted_groups: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next:
+            return
+        self._next = now + CHECK_S
+        self.version, self.accounted_groups = version, accounted_groups
+        c = self.coord
+        if c.get_config() is None or (c.last_published is not None and c.current_version() < c.last_published[0]):
+            self.reasserts += 1
+            log.warning("Redis lost the run state (restarted without persistence?); re-asserting config, "
+                        "endpoint, version v%s and capacity (%d groups accounted)",
+                        c.last_published[0] if c.last_published else "-", accounted_groups)
+            self.assert_state(version, accounted_groups)
+        self._watch_workers()
+
+    def _watch_workers(self) -> None:
+        workers = self.coord.workers()
+        for w, hb in workers.items():
+            if hb is not None and w not in self._alive:
+                self._alive.add(w)
+                if w not in self.ledger.known_workers:
+                    self.ledger.known_workers.add(w)
+                    self.ledger.workers_joined += 1
+                    log.info("worker %d joined (host %s, pid %s)", w, hb.get("host"), hb.get("pid"))
+                else:
+                    log.info("worker %d is back (incarnation %s)", w, hb.get("incarnation"))
+            elif hb is None and w in self._alive:
+                self._alive.discard(w)
+                self.ledger.workers_left += 1
+                log.warning("worker %d left: no heartbeat within its TTL; no longer waiting on it, "
+                            "refunding %d group reservation(s)", w, self.refund_on_leave)
+                self.coord.refund(self.refund_on_leave)
+
+    def alive(self) -> set[int]:
+        return set(self._alive)
+
+    def is_known(self, worker: int) -> bool:
+        """A worker that registered (heartbeat) now or earlier in the run; refreshes once on a miss."""
+        if worker in self.ledger.known_workers:
+            return True
+        self._watch_workers()
+        return worker in self.ledger.known_workers

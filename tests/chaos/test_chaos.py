@@ -1,0 +1,136 @@
+"""Chaos scenarios on real processes: SIGKILLed workers and learner, a Redis restart, fuzzed frames.
+
+Each test runs ``streamrl-launch`` (1 learner rank, 2 rollout workers, the tiny model) against
+a redis-server the test owns, injects one kind of fault mid-run, and asserts the outcome:
+the run completes, the trajectory accounting balances with no trajectory trained twice, and
+the final model is consistent (see ``check_consistent``).
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+import zmq
+
+from .conftest import check_consistent, wait_for
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
+
+
+def test_worker_sigkilled_three_times(launch):
+    steps = 150
+    run = launch("--max-restarts", "5", "--restart-backoff", "0.5", steps=steps)
+    kills = []
+    for i in range(3):
+        pid = wait_for(lambda: run.worker_pid(0) not in (None, *kills) and run.worker_pid(0), 120,
+                       f"worker 0 (incarnation {i + 1}) heartbeat")
+        wait_for(lambda: run.steps() >= 2, 120, "learner steps")
+        assert run.proc.poll() is None and run.steps() < steps, "run ended before the fault could be injected"
+        os.kill(pid, signal.SIGKILL)
+        kills.append(pid)
+    assert run.wait(240) == 0
+    s = check_consistent(run, steps)
+    acc = s["accounting"]
+    assert acc["lost_total"] == 0, acc["lost"]
+    out = run.log.read_text()
+    assert "rollout-0      exit codes [-9, -9, -9" in out and "restarts 3" in out
+
+
+def test_learner_sigkilled_and_resumed(launch):
+    steps = 80
+    run = launch("--learner-restarts", "1", steps=steps)
+    wait_for(lambda: run.steps() >= 6, 180, "6 learner steps (a checkpoint at step 4 and journal entries after it)")
+    pid = run.learner_pid()
+    assert pid is not None and run.steps() < steps - 10, "too late to inject the fault"
+    os.killpg(pid, signal.SIGKILL)  # torchrun agent + its rank: the whole learner job dies at once
+    assert run.wait(280) == 0
+    s = check_consistent(run, steps)
+    acc = s["accounting"]
+    assert s["resumed_from_step"] >= 4
+    assert acc["replayed_from_journal"] > 0  # accepted after the checkpoint, recovered from the journal
+    assert acc["lost_total"] == 0, acc["lost"]  # nothing accepted was lost; in-flight was delivered
+    assert s["final_version"] > steps  # versions never went back: the resumed learner skipped ahead
+    assert "learner exited with -9; restart 1/1 with --resume" in run.log.read_text()
+
+
+def test_redis_restarted_mid_run(launch, redis_srv):
+    steps = 60
+    run = launch(steps=steps)
+    wait_for(lambda: run.steps() >= 5, 180, "5 learner steps")
+    redis_srv.stop()
+    time.sleep(2.0)  # everything is disconnected for a while
+    redis_srv.start()  # same port, empty: no persistence
+    assert run.wait(280) == 0
+    s = check_consistent(run, steps)
+    acc = s["accounting"]
+    assert s["redis_reasserts"] >= 1
+    assert acc["lost_total"] == 0 and acc["duplicated"] == 0, acc
+    logs = run.run_dir / "logs"
+    learner_log = (logs / "learner.log").read_text()
+    assert "unreachable" in learner_log and "re-asserting" in learner_log
+    for w in (0, 1):
+        text = (logs / f"rollout-{w}.log").read_text()
+        assert text.count("=== start") == 1, f"rollout-{w} restarted"  # survived, no crash
+
+
+def _frames(worker: int, **bad):
+    """A valid trajectory message of ``worker``, then broken as asked."""
+    from streamrl.trajectory import SCHEMA_VERSION, pack_trajectories
+    from streamrl.transport.codec import encode
+
+    n = 8
+    td = pack_trajectories([[1, 2, 3]] * n, [[4, 5]] * n, [[-0.5, -0.25]] * n, [[bad.get("version", 0)] * 2] * n,
+                           [0.5] * n, [worker << 40 | 1] * n, [(worker << 40) | (1000 + i + random.randrange(1 << 30))
+                                                               for i in range(n)], worker, time.time())
+    if "reward" in bad:
+        td["reward"][0] = bad["reward"]
+    if "logprob" in bad:
+        td["behaviour_logprobs"][1] = bad["logprob"]
+    meta = {"worker_id": worker, "session": random.randrange(1 << 62), "seq": 0,
+            "trajectory_schema": bad.get("schema", SCHEMA_VERSION), "sent_at": time.time()}
+    return encode(dict(td.items()), "trajectories", meta)
+
+
+def test_fuzzed_frames_during_a_run(launch):
+    steps = 30
+    run = launch(steps=steps, extra=["transport.max_message_bytes=262144"])
+    endpoint = wait_for(lambda: run.coord.r.get(run.coord.keys.endpoint("trajectories")), 120, "endpoint")
+    wait_for(lambda: run.steps() >= 3, 180, "3 learner steps")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.setsockopt(zmq.SNDTIMEO, 1000)
+    sock.connect(endpoint)
+    rng = random.Random(0)
+    sent = {"garbage": 0}
+    try:
+        for _ in range(200):  # random bytes, random frame counts
+            sock.send_multipart([rng.randbytes(rng.randrange(0, 300)) for _ in range(rng.randrange(1, 5))])
+            sent["garbage"] += 1
+        good = _frames(900)  # header of a valid message with truncated / corrupted buffers
+        sock.send_multipart(good[:1])
+        sock.send_multipart([good[0]] + [b"\x00" * 3 for _ in good[1:]])
+        sock.send_multipart([b'{"magic": "streamrl", "v": 1, "kind": "trajectories", "tensors": [[["a"]]]}'])
+        sock.send_multipart(_frames(900, schema=99))
+        sock.send_multipart(_frames(900, version=10**9))  # future policy version
+        sock.send_multipart(_frames(900, reward=float("nan")))
+        sock.send_multipart(_frames(900, logprob=float("inf")))
+        sock.send_multipart([good[0], b"\x00" * 300_000])  # oversized for max_message_bytes
+        sock.send_multipart(_frames(900))  # well-formed, but worker 900 never registered
+    finally:
+        sock.close()
+        ctx.term()
+    assert run.wait(280) == 0
+    s = check_consistent(run, steps)
+    t = s["transport"]
+    acc = s["accounting"]
+    assert t["transport/rejected"] >= sent["garbage"] + 8
+    for reason in ("bad_schema_version", "future_version", "non_finite", "oversized"):
+        assert any(k.startswith("transport/rejected_") and reason in k and v >= 1 for k, v in t.items()), (reason, t)
+    assert acc["rejected_messages"].get("unknown_worker", 0) >= 1
+    assert acc["lost_total"] == 0, acc["lost"]
+    assert torch.isfinite(torch.tensor(s["reward_last"]))
