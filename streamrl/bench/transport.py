@@ -14,7 +14,9 @@ and messages/s of
 All use TCP loopback; the sender is one child process (as a rollout worker is) and the
 receiver this process (as learner rank 0 is). Figures are ratios taken side by side on a
 shared machine, not absolute capacities. Redis JSON
-moves ~20 MB/s, so it gets at most ``--redis-bytes`` per size (one message at 16-64 MB).
+moves ~20 MB/s, so it gets at most ``--redis-bytes`` per size (one message from 16 MB) and
+is skipped above ``--redis-max-size`` (16 MB by default: a 64 MB batch as JSON lists takes
+GBs of Python objects and minutes on 2 cores).
 
 With ``--json`` the last printed line is one JSON object: ``ratio_vs_raw_zmq`` (geometric
 mean over sizes >= 1 MB), ``ratio_vs_pickle_zmq`` and ``ratio_vs_redis_json`` (geometric
@@ -263,10 +265,13 @@ def bench_redis_json(client, url, sender, size, b, dtypes, n, warm, hwm) -> floa
     last = ["0-0"]
 
     def recv_one():
+        deadline = time.monotonic() + 300
         while True:
-            got = client.xread({stream: last[0]}, count=1, block=30_000)
+            got = client.xread({stream: last[0]}, count=1, block=1000)
             if got:
                 break
+            if time.monotonic() > deadline or not sender.proc.is_alive():
+                raise RuntimeError("redis baseline: no message within 300 s or the sender died")
         entry_id, fields = got[0][1][0]
         last[0] = entry_id
         client.xdel(stream, entry_id)
@@ -289,7 +294,7 @@ def _count(size: int, budget: int, lo: int, hi: int) -> int:
 
 
 def run(sizes: list[int], rounds: int, zmq_bytes: int, redis_bytes: int, hwm: int, use_redis: bool,
-        log=print) -> dict:
+        log=print, redis_max: int = 16 * 1024**2) -> dict:
     """Measure every method at every size; returns the result dict (see module docstring)."""
     sender = SenderProcess()  # first: fork before any ZeroMQ context or torch thread exists
     ctx = zmq.Context()
@@ -300,8 +305,9 @@ def run(sizes: list[int], rounds: int, zmq_bytes: int, redis_bytes: int, hwm: in
 
         from streamrl.launcher.redis_server import RedisServer
         server = RedisServer(tmp.name).start()
-        client = redis.Redis.from_url(server.url)
+        client = redis.Redis.from_url(server.url, socket_timeout=60)
     batches = {s: make_batch(s) for s in sizes}  # same deterministic batches as the sender's
+    t_start = time.perf_counter()
     times: dict[tuple[str, int], list[float]] = {}
     counts: dict[tuple[str, int], int] = {}
     try:
@@ -310,19 +316,19 @@ def run(sizes: list[int], rounds: int, zmq_bytes: int, redis_bytes: int, hwm: in
                 td = batches[s]
                 nb, b = wire_bytes(td), int(td["traj_id"].numel())
                 for m in METHODS:
-                    if m == "redis_json" and (client is None or r > 0):
+                    if m == "redis_json" and (client is None or r > 0 or s > redis_max):
                         continue  # one round is plenty at ~20 MB/s; its noise is far below the margin
                     if m == "redis_json":
                         n, warm = _count(nb, redis_bytes, 1, 200), (1 if nb <= 4 * 1024**2 else 0)
                         dtypes = {k: t.dtype for k, t in td.items()}
                         dt = bench_redis_json(client, server.url, sender, s, b, dtypes, n, warm, hwm)
                     else:
-                        n, warm = _count(nb, zmq_bytes, 4, 3000), 2
+                        n, warm = _count(nb, zmq_bytes, 4, 300), 2
                         fn = {"streamrl": bench_streamrl, "raw_zmq": bench_raw_zmq, "pickle_zmq": bench_pickle_zmq}[m]
                         dt = fn(ctx, sender, s, b, n, warm, hwm)
                     times.setdefault((m, s), []).append(dt / n)
                     counts[(m, s)] = n
-                log(f"round {r + 1}/{rounds} size {_fmt(s)} done")
+                log(f"round {r + 1}/{rounds} size {_fmt(s)} done ({time.perf_counter() - t_start:.0f} s)")
     finally:
         sender.close()
         if client is not None:
@@ -399,10 +405,14 @@ def main(argv=None) -> int:
     p.add_argument("--redis-bytes", default="32M", help="bytes per size for Redis JSON (>= 1 message)")
     p.add_argument("--hwm", type=int, default=8, help="queued-message bound used by every method")
     p.add_argument("--no-redis", action="store_true", help="skip the Redis JSON baseline")
+    p.add_argument("--redis-max-size", default="16M",
+                   help="largest message size tried over Redis JSON (64 MB as JSON lists needs GBs of "
+                        "Python objects and minutes on 2 cores; default %(default)s)")
     args = p.parse_args(argv)
     try:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
         zmq_bytes, redis_bytes = parse_size(args.zmq_bytes), parse_size(args.redis_bytes)
+        redis_max = parse_size(args.redis_max_size)
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     except ValueError as e:
@@ -410,7 +420,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     result = run(sizes, args.rounds, zmq_bytes, redis_bytes, args.hwm, not args.no_redis,
-                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                 log=lambda msg: print(msg, file=sys.stderr, flush=True), redis_max=redis_max)
+    result["redis_json_max_size"] = _fmt(redis_max)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     print_table(result)
     print(f"wall {result['wall_s']} s")

@@ -15,6 +15,8 @@ Flow control (bounded memory, a slow learner slows workers): byte credits per wo
 of ZeroMQ high-water marks (:mod:`streamrl.transport.credits`). The learner grants credit when
 ``poll`` reads a message; while it trains it does not poll, so each worker can have at most
 ``credit_bytes`` (or one larger message) queued, and then ``send`` blocks or times out.
+Learner memory held by the stream is therefore at most about
+``n_workers * max(credit_bytes, initial_credit_bytes, one message)`` plus kernel socket buffers.
 Sockets and their invariants: :mod:`streamrl.transport.sockets`.
 
 Ordering and integrity: each sender has a random 63-bit ``session`` and numbers its data
@@ -48,7 +50,8 @@ from streamrl.transport.sockets import learner_socket, recv_bounded, worker_sock
 log = logging.getLogger(__name__)
 KIND = "trajectories"
 HELLO = "hello"
-DEFAULT_CREDIT_BYTES = 64 * 1024 * 1024
+DEFAULT_CREDIT_BYTES = 128 * 1024 * 1024  # two 64 MB batches in flight: the largest still pipeline
+INITIAL_CREDIT_BYTES = 8 * 1024 * 1024
 _INT63 = 1 << 63
 
 
@@ -65,6 +68,7 @@ class TrajectorySender:
         hwm: send high-water mark in messages (second fence after credits).
         resync_s: after this long blocked without a grant, send HELLO again (recovers a
             restarted learner or a lost grant).
+        initial_credit_bytes: bytes it may send before the learner's first grant.
 
     ``send`` returns once the message is queued; the tensors must not be modified until
     then-queued data is flushed (they are sent zero-copy), which callers get for free by
@@ -72,13 +76,13 @@ class TrajectorySender:
     """
 
     def __init__(self, endpoint: str, worker_id: int, hwm: int = 8, ctx: zmq.Context | None = None,
-                 *, resync_s: float = 2.0):
+                 *, resync_s: float = 2.0, initial_credit_bytes: int = INITIAL_CREDIT_BYTES):
         self.ctx = ctx or zmq.Context.instance()
         self.worker_id = int(worker_id)
         self.session = secrets.randbits(63)
         self.seq = 0
         self.resync_s = resync_s
-        self.credit = CreditWindow()
+        self.credit = CreditWindow(initial_credit_bytes)
         self.blocked_s = 0.0
         self.hellos = 0
         self.sock = worker_socket(self.ctx, endpoint, hwm, f"{self.worker_id}:{self.session}".encode())
@@ -328,6 +332,8 @@ class TrajectoryReceiver:
 
     def _reject(self, reason: str, detail: str) -> None:
         self.rejected[reason] += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rejected trajectory message: %s", detail)
         now = time.monotonic()
         if now - self._last_log > 1.0:
             self._last_log = now

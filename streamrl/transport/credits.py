@@ -3,7 +3,8 @@
 ZeroMQ high-water marks count *messages*; a trajectory message is 4 KB or 64 MB, so an HWM
 alone bounds memory only as ``hwm * max_message_bytes`` per worker. Credits bound *bytes*:
 
-* The learner grants each worker a window of ``window`` bytes. A grant is absolute: the
+* The learner grants each worker a window of ``window`` bytes (before the first grant a
+  worker assumes a small initial window, 8 MiB by default). A grant is absolute: the
   16-byte message ``(consumed, window)`` says "I have taken ``consumed`` bytes of yours off
   the wire; you may have ``window`` bytes beyond that in flight".
 * A worker may send a message of ``n`` bytes when ``sent - consumed + n <= window``, or when
@@ -39,12 +40,17 @@ def unpack_grant(data: bytes) -> tuple[int, int] | None:
 
 
 class CreditWindow:
-    """Worker side: how many bytes may be in flight right now."""
+    """Worker side: how many bytes may be in flight right now.
 
-    def __init__(self):
+    ``initial`` is the window assumed before the learner's first grant (so a worker need
+    not wait a round trip, and a learner busy training when the worker starts does not
+    stall it); ``None`` waits for the grant.
+    """
+
+    def __init__(self, initial: int | None = None):
         self.sent = 0  # bytes of data messages handed to the socket, ever
         self.consumed = 0  # latest ``consumed`` the learner granted
-        self.window: int | None = None  # None until the first grant arrives
+        self.window: int | None = initial  # replaced by the learner's window on each grant
 
     def grant(self, consumed: int, window: int) -> None:
         # A restarted learner may report less than before; the newest grant is the truth
