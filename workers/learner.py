@@ -187,6 +187,8 @@ def main(argv=None) -> int:
             step += 1
             if step % lc.publish_interval == 0 or step == cfg.run.steps:
                 metrics.update(publish(version))
+            if rank == 0:
+                control.tick(version, _accounted_groups(ledger, buffer, cfg))
             step_s = time.perf_counter() - t_step
             if rank == 0:
                 idle_total += idle

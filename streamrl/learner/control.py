@@ -41,6 +41,7 @@ class ControlPlane:
         self._alive: set[int] = set()
         self._incarnations: dict[int, int] = {}
         self._next = 0.0
+        self._sentinel = coord.keys._k("learner", "sentinel")  # present while Redis holds our state
 
     def note_incarnation(self, worker: int, incarnation: int) -> None:
         """Remember the newest incarnation seen per worker (ids must never repeat after a Redis loss)."""
@@ -50,6 +51,7 @@ class ControlPlane:
     def assert_state(self, version: int, accounted_groups: int) -> None:
         """Write everything the learner owns (start, resume, or after Redis lost its state)."""
         c = self.coord
+        c.r.set(self._sentinel, 1)
         c.put_config(self.config)
         c.set_endpoint("trajectories", self.endpoint)
         c.reassert_version()
@@ -60,18 +62,20 @@ class ControlPlane:
             c.r.sadd(c.keys.workers, w)
 
     def tick(self, version: int, accounted_groups: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now < self._next:
-            return
-        self._next = now + CHECK_S
-        self.version, self.accounted_groups = version, accounted_groups
+        """Every call: one GET of the learner's sentinel key (gone = Redis lost its state: re-assert
+        at once, before workers over-reserve against empty capacity counters); once per
+        ``CHECK_S``: the worker registry."""
         c = self.coord
-        if c.get_config() is None or (c.last_published is not None and c.current_version() < c.last_published[0]):
+        if not c.r.exists(self._sentinel):
             self.reasserts += 1
             log.warning("Redis lost the run state (restarted without persistence?); re-asserting config, "
                         "endpoint, version v%s and capacity (%d groups accounted)",
                         c.last_published[0] if c.last_published else "-", accounted_groups)
             self.assert_state(version, accounted_groups)
+        now = time.monotonic()
+        if not force and now < self._next:
+            return
+        self._next = now + CHECK_S
         self._watch_workers()
 
     def _watch_workers(self) -> None:

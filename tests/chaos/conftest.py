@@ -77,6 +77,14 @@ class Run:
                 return c
         return None
 
+    def learner_rank_pid(self) -> int | None:
+        """Learner rank 0 (a child of the torchrun agent; torch puts ranks in their own session)."""
+        agent = self.learner_pid()
+        for c in children(agent) if agent else []:
+            if "streamrl.workers.learner" in cmdline(c):
+                return c
+        return None
+
     def worker_pid(self, wid: int) -> int | None:
         hb = self.coord.workers().get(wid)
         if hb is None or "pid" not in hb:
