@@ -70,7 +70,7 @@ def _dead_url() -> str:
 @pytest.mark.timeout(60)
 def test_redis_down_never_blocks_the_caller():
     coord = Coordinator(_dead_url(), "nobody")
-    coord.r = connect(coord.url, retries=1)  # fail in ~0.1 s, not after the default backoff
+    coord.r = connect(coord.url, outage_s=0.1)  # fail in ~0.1 s, not after the default outage budget
     sink = RateLimitedRedisSink(coord, "learner", interval_s=0.05)
     worst = 0.0
     for i in range(50):
