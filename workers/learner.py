@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     def report_counters() -> None:
         """Fold the live receiver's counters into the ledger (totals across incarnations)."""
         ledger.duplicates_dropped = base["duplicates"] + receiver.duplicates
-        ledger.rejected = Counter(base["rejected"]) + Counter(receiver.rejected)
+        ledger.rejected = Counter(base["rejected"]) + Counter(receiver.rejected) + ledger.gated
 
     def checkpoint() -> None:
         items, bmeta = buffer.export_state() if rank == 0 else (None, {})
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
 
     publish(version)
     if rank == 0:
-        control.assert_state(version, _accounted_groups(ledger, buffer, cfg))
+        control.assert_state(version, _accounted_groups(version, buffer, cfg))
     try:
         while step < cfg.run.steps:
             t_wait = time.perf_counter()
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
             if step % lc.publish_interval == 0 or step == cfg.run.steps:
                 metrics.update(publish(version))
             if rank == 0:
-                control.tick(version, _accounted_groups(ledger, buffer, cfg))
+                control.tick(version, _accounted_groups(version, buffer, cfg))
             step_s = time.perf_counter() - t_step
             if rank == 0:
                 idle_total += idle
@@ -256,7 +256,7 @@ def _collect(receiver, buffer, coord, lc, version, starve_timeout, log, ledger, 
     receiver.max_version = version
     t0 = last_refund = time.monotonic()
     while True:
-        control.tick(version, _accounted_groups(ledger, buffer, cfg))
+        control.tick(version, _accounted_groups(version, buffer, cfg))
         dropped = buffer.drop_stale(version)
         if dropped:
             coord.refund(dropped)
@@ -283,7 +283,7 @@ def _admit(td, buffer, ledger, control, journal, log, replay: bool = False) -> b
     """Learner-level gates after the transport's: a registered worker; then journal, count, buffer."""
     for w in torch.unique(td["worker_id"]).tolist():
         if not control.is_known(int(w)):
-            ledger.rejected["unknown_worker"] += 1
+            ledger.gated["unknown_worker"] += 1
             log.warning("rejected %d trajectories from unregistered worker %d", td["traj_id"].numel(), w)
             return False
     if not replay:
@@ -322,10 +322,11 @@ def _replay(journal, after_step, receiver, buffer, ledger, control, log) -> None
     log.info("journal: replayed %d trajectories accepted after step %d", n, after_step)
 
 
-def _accounted_groups(ledger, buffer, cfg) -> int:
-    """Groups admission control should count as used: trained, dropped or waiting in the buffer."""
-    g = cfg.rollout.group_size
-    return (ledger.trained + buffer.dropped_stale + buffer.dropped_overflow) // g + len(buffer._groups)
+def _accounted_groups(version, buffer, cfg) -> int:
+    """What admission control's ``reserved - refunded`` should be with nothing in flight: one
+    step's groups per version (skipped versions after a resume included, so a jump does not
+    hand out extra capacity) plus the groups waiting in the buffer."""
+    return version * cfg.learner.groups_per_step + len(buffer._groups)
 
 
 def _bind_receiver(args, cfg, limits, coord, log):

@@ -48,7 +48,8 @@ class Ledger:
         self.duplicated = 0
         self.replayed = 0
         self.lost: Counter[str] = Counter()
-        self.rejected: Counter[str] = Counter()  # messages rejected by the transport, by reason
+        self.rejected: Counter[str] = Counter()  # messages rejected (transport + learner gates), by reason
+        self.gated: Counter[str] = Counter()  # this incarnation's learner-gate rejections (folded into rejected)
         self.duplicates_dropped = 0
         self.known_workers: set[int] = set()
         self.workers_joined = 0
