@@ -169,6 +169,11 @@ def validate_trajectories(td: TensorDict | Mapping[str, torch.Tensor], *, max_ve
 
 
 def _minmax(t: torch.Tensor) -> tuple[float, float]:
+    # numpy's reductions are single-threaded SIMD loops: torch's would fan out to the
+    # intra-op thread pool, which on a busy learner host costs milliseconds in contention.
+    if t.device.type == "cpu" and t.dtype != torch.bfloat16:
+        a = t.detach().numpy()
+        return a.min().item(), a.max().item()
     lo, hi = torch.aminmax(t)
     return lo.item(), hi.item()
 
