@@ -107,7 +107,7 @@ class TaskConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    """Generation engine: 'hf' (transformers) or 'vllm'."""
+    """Generation engine: 'hf' (transformers generate), 'hf_fast' (static KV cache, refill, CUDA graphs) or 'vllm'."""
     group_size: int = 8
     """Completions sampled per prompt (one GRPO group)."""
     prompts_per_batch: int = 4
@@ -140,14 +140,15 @@ class RolloutConfig:
     """After each weight update score this many fixed probes in engine and HF model (0 = off)."""
 
     def validate(self, p: str) -> None:
-        _check(self.engine in ("hf", "vllm"), f"{p}.engine", self.engine, "must be 'hf' or 'vllm'")
+        _check(self.engine in ("hf", "hf_fast", "vllm"), f"{p}.engine", self.engine,
+               "must be 'hf', 'hf_fast' or 'vllm'")
         _check(self.kv_cache_mb >= 1, f"{p}.kv_cache_mb", self.kv_cache_mb, "must be >= 1")
         _check(self.max_model_len >= 2, f"{p}.max_model_len", self.max_model_len, "must be >= 2")
         _check(0 < self.gpu_memory_utilization <= 1, f"{p}.gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")
         _check(self.parity_probes >= 0, f"{p}.parity_probes", self.parity_probes, "must be >= 0")
-        _check(not (self.record_routing and self.engine != "hf"), f"{p}.record_routing", self.record_routing,
-               "routing capture needs rollout.engine = 'hf'")
+        _check(not (self.record_routing and self.engine == "vllm"), f"{p}.record_routing", self.record_routing,
+               "routing capture needs rollout.engine = 'hf' or 'hf_fast'")
         if self.rewards != "task":
             from streamrl.rewards import RewardSpecError, parse_reward_spec
 

@@ -94,3 +94,16 @@ def test_score_matches_generate_alignment():
     for a, b in zip(scored, gen.logprobs):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
     assert list(itertools.chain(*scored))
+
+
+def test_factory_builds_the_fast_hf_engine():
+    """rollout.engine=hf_fast gives the FastHFEngine, sized to one worker batch, same interface."""
+    from streamrl.config import load_config
+    from streamrl.engines.factory import build_engine
+    from streamrl.engines.hf_fast import FastHFEngine
+
+    cfg = load_config(None, ["rollout.engine=hf_fast", "rollout.group_size=2", "rollout.prompts_per_batch=3"])
+    engine = build_engine(cfg)
+    assert isinstance(engine, FastHFEngine)
+    gen = engine.generate([[5, 6, 7, 14]] * 6, max_new_tokens=3, temperature=1.0)
+    assert len(gen.tokens) == 6 and all(len(t) == len(lp) for t, lp in zip(gen.tokens, gen.logprobs))

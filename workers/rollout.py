@@ -134,7 +134,7 @@ class RolloutWorker:
         if cfg.rollout.parity_probes > 0:
             from streamrl.engines.hf import HFEngine
 
-            ref_model = model if cfg.rollout.engine != "hf" else load_model_and_tokenizer(cfg.model, cfg.run.seed)[0]
+            ref_model = model if cfg.rollout.engine not in ("hf", "hf_fast") else load_model_and_tokenizer(cfg.model, cfg.run.seed)[0]
             self.reference = HFEngine(ref_model, self.tok)
         task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
         problems = prompt_source(task, cfg.rollout.prompt_file, cfg.run.seed * 7919 + self.incarnation,

@@ -175,6 +175,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="streamrl-bench rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
     p.add_argument("--engines", default="hf,vllm", help=f"comma list of {ENGINES}")
+    p.add_argument("--engine", default=None, help="one engine (same as --engines ENGINE)")
+    p.add_argument("--fast-preset", default="tiny",
+                   help="with the hf engine: also time FastHFEngine vs model.generate() on this preset "
+                        "(streamrl.bench.hf_fast: tiny | moe-1b); 'none' skips it")
+    p.add_argument("--device", default="cpu", help="device of the FastHFEngine comparison")
     p.add_argument("--models", default="tiny", help=f"comma list of {MODELS}")
     p.add_argument("--smol-path", default="models/smol-moe", help="prepared SmolLM2-MoE folder")
     p.add_argument("--config", default="configs/tiny.yaml")
@@ -184,6 +189,8 @@ def main(argv=None) -> int:
     p.add_argument("--eval", type=int, default=0, help="greedy accuracy on this many held-out problems (smol-moe)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
+    if args.engine:
+        args.engines = args.engine
     engines = [e for e in args.engines.split(",") if e]
     models = [m for m in args.models.split(",") if m]
     for e in engines:
@@ -207,6 +214,16 @@ def main(argv=None) -> int:
     result = {"rows": rows, "ratio_vs_bare_engine": min(r["ratio_vs_bare_engine"] for r in rows)}
     for r in rows:
         result[f"ratio_vs_bare_engine/{r['engine']}/{r['model']}"] = r["ratio_vs_bare_engine"]
+    if "hf" in engines and args.fast_preset != "none":
+        # The hf engine's fast path (static KV cache, refill, CUDA graphs on GPU) against plain
+        # model.generate() on the same model, prompts and lengths, in this same run.
+        from streamrl.bench.hf_fast import bench_fast_vs_generate
+
+        fast = bench_fast_vs_generate(preset=args.fast_preset, device=args.device)
+        result["hf_fast"] = fast
+        result["ratio_vs_plain_generate"] = fast["ratio_vs_plain_generate"]
+        if not args.json:
+            print(json.dumps(fast))
     print(json.dumps(result) if args.json else f"min ratio_vs_bare_engine: {result['ratio_vs_bare_engine']}")
     return 0
 

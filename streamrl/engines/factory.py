@@ -11,7 +11,7 @@ from pathlib import Path
 
 from streamrl.config import Config
 
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "hf_fast", "vllm")
 
 
 def model_folder(cfg: Config, model=None, tok=None) -> str:
@@ -41,6 +41,15 @@ def build_engine(cfg: Config, model=None, tok=None):
         if model is None:
             model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
         return HFEngine(model, tok, rc.device, record_routing=rc.record_routing)
+    if rc.engine == "hf_fast":
+        from streamrl.engines.hf_fast import FastHFEngine
+        from streamrl.models.factory import load_model_and_tokenizer
+
+        if model is None:
+            model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
+        # One slot per sequence of a worker batch: the batch stays full through refills.
+        return FastHFEngine(model, tok, device=rc.device, batch_size=rc.prompts_per_batch * rc.group_size,
+                            record_routing=rc.record_routing)
     if rc.engine == "vllm":
         from streamrl.engines.vllm_engine import VLLMEngine
 
