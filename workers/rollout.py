@@ -235,6 +235,11 @@ class RolloutWorker:
                     "rollout/tokens_per_s": gen_tokens / max(elapsed, 1e-9),
                 })
         finally:
+            try:  # leaving a live run (signal): give queued trajectories a moment to reach the learner
+                if self.coord.stop_reason() is None and not sender.flush(timeout_s=3.0):
+                    self.log.warning("leaving with %d bytes not yet read by the learner", sender.credit.in_flight())
+            except Exception as e:  # Redis or socket already gone: nothing more to deliver
+                self.log.warning("flush on exit skipped: %s", e)
             sender.close()
             self.metrics.close()
             self.engine.close()
