@@ -31,11 +31,11 @@ from streamrl.learner.control import ControlPlane
 from streamrl.learner.journal import Journal
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.trainer import Trainer
-from streamrl.metrics import JsonlSink, RateLimitedRedisSink
+from streamrl.metrics import JsonlSink, MultiSink, RateLimitedRedisSink, tensorboard_sink
 from streamrl.transport.channel import TrajectoryReceiver
 from streamrl.transport.codec import Limits
 from streamrl.utils import limit_threads, seed_everything, setup_logging
-from streamrl.weights.shm import ShmWeightPublisher
+from streamrl.weights.factory import make_publisher
 
 # If no complete batch arrives for this long, assume reservations of dead workers leaked
 # and give the shortfall back so live workers can fill it (the buffer still enforces staleness).
@@ -90,8 +90,9 @@ def main(argv=None) -> int:
         port = receiver.endpoint.rsplit(":", 1)[1]
         endpoint = f"tcp://{advertise}:{port}"
         coord.set_endpoint("trajectories", endpoint)
-        publisher = ShmWeightPublisher(coord, args.run_id)
-        sink = JsonlSink(run_dir / "metrics.jsonl")
+        # Data plane from cfg.weights (auto: shm for this host's workers, ZeroMQ for other hosts).
+        publisher = make_publisher(coord, args.run_id, cfg, bind_host=args.bind_host, advertise_host=advertise)
+        sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), tensorboard_sink(run_dir / "tb"))
         redis_sink = RateLimitedRedisSink(coord, "learner")
         control = ControlPlane(coord, cfg.to_dict(), endpoint, ledger, cfg.rollout.prompts_per_batch)
         log.info("trajectory endpoint %s; %d ranks", endpoint, trainer.world)

@@ -33,7 +33,8 @@ from streamrl.tasks.sources import prompt_source
 from streamrl.trajectory import make_id, pack_trajectories
 from streamrl.transport.channel import TrajectorySender
 from streamrl.utils import limit_threads, setup_logging
-from streamrl.weights.shm import ChecksumError, ShmWeightSubscriber
+from streamrl.weights.factory import make_subscriber
+from streamrl.weights.layout import ChecksumError
 
 HEARTBEAT_S = 1.0
 # A restarted worker gets a new incarnation; ids carry it so they never repeat.
@@ -142,7 +143,7 @@ class RolloutWorker:
         self.roller = BatchRoller(cfg, self.engine, self.tok, problems, self.wid, self._next_id)
         self.probes = (probe_set(task, self.roller.encode, cfg.rollout.parity_probes, cfg.run.seed)
                        if self.reference is not None else None)
-        self.subscriber = ShmWeightSubscriber(self.coord)
+        self.subscriber = make_subscriber(self.coord, cfg, worker_id=self.wid)
         self.metrics = RateLimitedRedisSink(self.coord, f"rollout-{self.wid}")
         self.counter = 0
         self.stopping = False
