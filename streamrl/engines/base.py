@@ -42,3 +42,41 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release the engine's memory."""
+
+
+def copy_weights_all_or_nothing(params: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy ``named_tensors`` into the existing ``params`` storage, all or nothing.
+
+    Names and shapes are checked for every tensor before the first copy, so a bad update
+    raises without leaving the engine half-loaded; copying in place keeps captured CUDA
+    graphs and other references to the parameter storage valid.
+    """
+    items = list(named_tensors)
+    names = {n for n, _ in items}
+    unknown, missing = names - set(params), set(params) - names
+    if unknown or missing:
+        raise KeyError(f"weights update mismatch: unknown {sorted(unknown)[:3]}, missing {sorted(missing)[:3]}")
+    for name, t in items:
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(f"{name}: shape {tuple(t.shape)} != engine {tuple(params[name].shape)}")
+    with torch.no_grad():
+        for name, t in items:
+            params[name].copy_(t)
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, sequences: list[list[int]], start: list[int], pad_id: int,
+                            device: torch.device) -> list[list[float]]:
+    """Log-probs (temperature 1) of ``seq[start:]`` for each sequence, one right-padded forward.
+
+    Returns one list per sequence of ``len(seq) - start`` floats.
+    """
+    b, width = len(sequences), max(len(s) for s in sequences)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+    logits = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1).cpu()
+    return [lp[i, st - 1: len(s) - 1].tolist() for i, (s, st) in enumerate(zip(sequences, start))]

@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from streamrl.engines.base import Generation
+from streamrl.engines.base import Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
 
 
 def find_routers(model) -> list[torch.nn.Module]:
@@ -97,37 +97,13 @@ class HFEngine:
             per_step.append(stacked.view(b, *stacked.shape[-2:]))
         return torch.stack(per_step, dim=1)
 
-    @torch.no_grad()
     def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
-        """Teacher-forced log-probs (temperature 1) of ``seq[start:]``; right padding."""
-        b, width = len(sequences), max(len(s) for s in sequences)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        for i, s in enumerate(sequences):
-            ids[i, :len(s)] = torch.tensor(s)
-            attn[i, :len(s)] = 1
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False).logits
-        lp = F.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:].to(self.device).unsqueeze(-1)).squeeze(-1).cpu()
-        return [lp[i, st - 1: len(s) - 1].tolist() for i, (s, st) in enumerate(zip(sequences, start))]
+        """Teacher-forced log-probs (temperature 1) of ``seq[start:]``; one eager forward."""
+        return teacher_forced_logprobs(self.model, sequences, start, self.pad_id, self.device)
 
-    @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into the existing parameter storage, all or nothing.
-
-        Names and shapes are checked for every tensor before the first copy, so a bad
-        update raises without leaving the engine half-loaded.
-        """
-        items = list(named_tensors)
-        names = {n for n, _ in items}
-        unknown = names - set(self._params)
-        missing = set(self._params) - names
-        if unknown or missing:
-            raise KeyError(f"weights update mismatch: unknown {sorted(unknown)[:3]}, missing {sorted(missing)[:3]}")
-        for name, t in items:
-            if tuple(t.shape) != tuple(self._params[name].shape):
-                raise ValueError(f"{name}: shape {tuple(t.shape)} != engine {tuple(self._params[name].shape)}")
-        for name, t in items:
-            self._params[name].copy_(t)
+        """Copy into the existing parameter storage, all or nothing (captured graphs see it)."""
+        copy_weights_all_or_nothing(self._params, named_tensors)
 
     def close(self) -> None:
         self.model = None

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from streamrl.engines.base import Generation
+from streamrl.engines.base import Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
 
 _ATTN = "streamrl_static_kv"
 
@@ -396,31 +396,13 @@ class FastHFEngine:
                         fill(finished)
         return Generation(tokens=out_t, logprobs=out_l, routed_experts=out_r if self.routers else None)
 
-    @torch.no_grad()
     def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
-        """Teacher-forced log-probs (temperature 1) of ``seq[start:]``; a plain eager forward."""
-        b, width = len(sequences), max(len(s) for s in sequences)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        for i, s in enumerate(sequences):
-            ids[i, : len(s)], attn[i, : len(s)] = torch.tensor(s), 1
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False).logits
-        lp = F.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None].to(self.device)).squeeze(-1).cpu()
-        return [lp[i, st - 1: len(s) - 1].tolist() for i, (s, st) in enumerate(zip(sequences, start))]
+        """Teacher-forced log-probs (temperature 1) of ``seq[start:]``; one eager forward."""
+        return teacher_forced_logprobs(self.model, sequences, start, self.pad_id, self.device)
 
-    @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy into the existing parameter storage (captured graphs see it), all or nothing."""
-        items = list(named_tensors)
-        names = {n for n, _ in items}
-        unknown, missing = names - set(self._params), set(self._params) - names
-        if unknown or missing:
-            raise KeyError(f"weights update mismatch: unknown {sorted(unknown)[:3]}, missing {sorted(missing)[:3]}")
-        for name, t in items:
-            if tuple(t.shape) != tuple(self._params[name].shape):
-                raise ValueError(f"{name}: shape {tuple(t.shape)} != engine {tuple(self._params[name].shape)}")
-        for name, t in items:
-            self._params[name].copy_(t)
+        """Copy into the existing parameter storage, all or nothing (captured graphs see it)."""
+        copy_weights_all_or_nothing(self._params, named_tensors)
 
     def close(self) -> None:
         for h in self._hooks:
