@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from streamrl.security import apply_client_keys, apply_server_keys, load_curve_keys
 from streamrl.transport.codec import FrameError, Limits
 
 
@@ -47,6 +48,9 @@ def learner_socket(ctx: zmq.Context, bind: str, hwm: int, limits: Limits) -> zmq
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
     sock.setsockopt(zmq.LINGER, 0)
+    # Optional CURVE (encryption + client allow-list) when keys are configured in the
+    # environment (STREAMRL_CURVE_DIR or STREAMRL_CURVE_SECRET, see streamrl.security).
+    apply_server_keys(sock, load_curve_keys("server"))
     sock.bind(bind)
     return sock
 
@@ -71,6 +75,7 @@ def worker_socket(ctx: zmq.Context, endpoint: str, hwm: int, routing_id: bytes) 
     sock.setsockopt(zmq.RCVHWM, 1000)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
     sock.setsockopt(zmq.LINGER, 2000)
+    apply_client_keys(sock, load_curve_keys("client"))  # CURVE when configured (see learner_socket)
     sock.connect(endpoint)
     return sock
 

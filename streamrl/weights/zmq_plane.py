@@ -25,6 +25,8 @@ from typing import Callable
 
 import zmq
 
+from streamrl.security import apply_client_keys, apply_server_keys, load_curve_keys
+
 log = logging.getLogger(__name__)
 
 
@@ -39,6 +41,7 @@ class BucketServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 64)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not silent drop
+        apply_server_keys(self.sock, load_curve_keys("server"))  # CURVE when configured in the environment
         self.sock.bind(bind)
         ep = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if advertise_host:
@@ -101,6 +104,7 @@ class BucketClient:
         for _ in range(streams):
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            apply_client_keys(s, load_curve_keys("client"))
             s.connect(endpoint)
             self.poller.register(s, zmq.POLLIN)
             self.socks.append(s)
