@@ -58,12 +58,14 @@ def greedy_eval(model, tok, task, problems: list[Problem], *, chat_template: boo
             "reward_mean": sum(rewards) / max(len(rewards), 1), "n": len(rewards)}
 
 
-def load_for_eval(cfg: Config, checkpoint: str | None):
-    """(model, tokenizer): the configured model, with learner checkpoint weights if given."""
+def load_for_eval(cfg: Config, checkpoint: str | None, device: str = "cpu"):
+    """(model, tokenizer): the configured model on ``device``, or the learner checkpoint's weights
+    (then on the learner's device, ``learner.device``)."""
     if not checkpoint:
         from streamrl.models.factory import load_model_and_tokenizer
 
-        return load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
+        model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
+        return model.to(device), tok
     from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
     from streamrl.learner.trainer import Trainer
 
@@ -81,13 +83,14 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", default=None, help="'latest' (in the run's checkpoint dir) or a checkpoint path")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_new_tokens")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--device", default=None, help="default: rollout.device")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cfg = load_config(args.config, args.overrides)
     t0 = time.time()
-    model, tok = load_for_eval(cfg, args.checkpoint)
+    model, tok = load_for_eval(cfg, args.checkpoint, args.device or cfg.rollout.device)
     task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
     problems = eval_problems(task, cfg.run.seed, cfg.task.eval_size)
     res = greedy_eval(model, tok, task, problems, chat_template=getattr(cfg.rollout, "chat_template", False),
