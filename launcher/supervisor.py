@@ -155,8 +155,13 @@ class Supervisor:
                     lr.cmd.append(a)
             lr.start()
             for r in self.rollers:
-                if r.proc is None and not r.restarting:  # parked by a stop the old learner wrote
-                    r.start()
+                # Parked, or exited on a stop the old learner wrote that this loop has not
+                # recorded yet: the run goes on, so the worker comes back.
+                if r.proc is not None and r.poll() is not None:
+                    r.exit_codes.append(r.proc.returncode)
+                    r.proc = None
+                if r.proc is None and not r.restarting:
+                    r.start()  # start() clears parked_since
             self._watch_endpoint_until = time.monotonic() + 600
             return
         self.coord.request_stop("learner restarting")  # halt workers everywhere before the reset

@@ -241,7 +241,10 @@ def main(argv=None) -> int:
             summary["final_version"] = version
             summary["redis_reasserts"] = control.reasserts
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            coord.request_stop(status)
+            if status != "failed":
+                # A crashed learner does not end the run: the launcher decides (restart with
+                # --resume, or stop everything), so workers must not see a stop key now.
+                coord.request_stop(status)
             redis_sink.close()
             sink.close()
             receiver.close()
