@@ -22,7 +22,8 @@ def test_launch_tiny_learns(tmp_path, repo, python):
         assert key in summary
     assert summary["steps"] == 40
     assert summary["versions_published"] == 41
-    # Measured over 5 runs on 2 cores: reward_first 0.012-0.016, reward_last 0.15-0.21.
+    # Runs of this exact command on 2 cores this session: reward_first ~0.013, reward_last 0.15-0.20
+    # (make demo: 0.013 -> 0.178); the margin leaves room for scheduling noise.
     assert summary["reward_last"] > summary["reward_first"] + 0.08, summary
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 40
