@@ -98,7 +98,9 @@ def _frames(worker: int, **bad):
 
 
 def test_fuzzed_frames_during_a_run(launch):
-    steps = 30
+    # Long enough that the run is still reading its socket when the last fuzzed message lands:
+    # on an idle machine a tiny step takes ~0.1 s, and the fuzz below takes ~3 s to send.
+    steps = 150
     run = launch(steps=steps, extra=["transport.max_message_bytes=262144"])
     endpoint = wait_for(lambda: run.coord.r.get(run.coord.keys.endpoint("trajectories")), 120, "endpoint")
     wait_for(lambda: run.steps() >= 3, 180, "3 learner steps")
