@@ -48,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--peak", type=float, default=790.0, help="bf16 matmul peak TFLOP/s per GPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="", help="write the result JSON here too")
+    p.add_argument("--profile", type=int, default=0,
+                   help="also profile this many steps and print where device time goes (by kernel family)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (fullgraph off)")
     return p.parse_args(argv)
 
 
@@ -78,6 +81,52 @@ def count_flops(args, total_params: int) -> tuple[float, float, float]:
     active = L * (attn + experts + router) + h * args.vocab  # lm_head; embedding lookup is not a matmul
     per_token = 6 * active + 6 * L * args.seq * args.heads * args.head_dim  # causal: half of 12
     return float(total_params), float(active), float(per_token)
+
+
+# Kernel-name fragments -> family, first match wins (CUDA kernel names of torch 2.11 on H200).
+_FAMILIES = (
+    ("grouped_gemm (experts)", ("grouped", "gmm", "cutlass3x_sm90_bstensorop", "device_kernel")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+    ("gemm (dense)", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet")),
+    ("softmax / log_softmax", ("softmax", "logsumexp")),
+    ("index / sort / scatter (dispatch)", ("index", "sort", "scatter", "gather", "radix", "bincount", "cumsum",
+                                          "histogram", "repeat_interleave", "unique")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("reduce", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "copy", "fill", "cat")),
+)
+
+
+def profile_breakdown(step, n: int, device, sync) -> dict:
+    """Device time per kernel family over ``n`` steps, plus the top kernels (ms per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            step()
+        sync()
+    from torch.autograd import DeviceType
+
+    rows = []
+    for e in prof.key_averages():
+        if device.type == "cuda":
+            # kernels only: an aten op's device time is the sum of its kernels, counted already
+            t = e.self_device_time_total if e.device_type == DeviceType.CUDA else 0
+        else:
+            t = e.self_cpu_time_total
+        if t > 0:
+            rows.append((e.key, t / 1e3 / n))
+    fam: dict[str, float] = {}
+    for name, ms in rows:
+        low = name.lower()
+        f = next((f for f, keys in _FAMILIES if any(k in low for k in keys)), "other")
+        fam[f] = fam.get(f, 0.0) + ms
+    total = sum(fam.values())
+    top = sorted(rows, key=lambda r: -r[1])[:15]
+    return {"device_ms_per_step": round(total, 2),
+            "families_ms": {k: round(v, 2) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": [[k[:90], round(v, 3)] for k, v in top]}
 
 
 def main(argv=None) -> int:
@@ -127,6 +176,9 @@ def main(argv=None) -> int:
         loss.backward()
         opt.step()
 
+    if args.compile:
+        for layer in model.model.layers:
+            layer.compile()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(args.warmup):
         step()
@@ -147,6 +199,8 @@ def main(argv=None) -> int:
         "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
     }
+    if args.profile:
+        res["profile"] = profile_breakdown(step, args.profile, device, sync)
     if rank == 0:
         print(json.dumps(res, indent=1))
         if args.out:
