@@ -135,9 +135,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """vLLM on GPU: fraction of GPU memory for weights + KV (ignored on CPU)."""
     record_routing: bool = False
-    """hf engine: record routed-expert ids per token (trajectory key routed_experts)."""
+    """Record routed-expert ids per token (trajectory key routed_experts; all engines)."""
     parity_probes: int = 0
     """After each weight update score this many fixed probes in engine and HF model (0 = off)."""
+    inflight_updates: bool = False
+    """Load newer weights between decode steps of a batch (per-token versions); hf_fast, vllm only."""
 
     def validate(self, p: str) -> None:
         _check(self.engine in ("hf", "hf_fast", "vllm"), f"{p}.engine", self.engine,
@@ -147,8 +149,8 @@ class RolloutConfig:
         _check(0 < self.gpu_memory_utilization <= 1, f"{p}.gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")
         _check(self.parity_probes >= 0, f"{p}.parity_probes", self.parity_probes, "must be >= 0")
-        _check(not (self.record_routing and self.engine == "vllm"), f"{p}.record_routing", self.record_routing,
-               "routing capture needs rollout.engine = 'hf' or 'hf_fast'")
+        _check(not (self.inflight_updates and self.engine == "hf"), f"{p}.inflight_updates", self.inflight_updates,
+               "in-flight weight updates need rollout.engine = 'hf_fast' or 'vllm' (hf uses model.generate)")
         if self.rewards != "task":
             from streamrl.rewards import RewardSpecError, parse_reward_spec
 
@@ -175,7 +177,7 @@ class LearnerConfig:
     """Largest accepted version lag (learner version - oldest token version); 0 = on-policy."""
     loss: str = "grpo_tis"
     """Policy loss (see streamrl.learner.objective.LOSSES): grpo_tis, grpo_no_correction, grpo_mis,
-    grpo_seq_tis, grpo_seq_mis, decoupled_ppo, ppo_coupled, gspo."""
+    grpo_seq_tis, grpo_seq_mis, decoupled_ppo, ppo_coupled, gspo, vtrace (critic variant)."""
     clip_low: float = 0.2
     """PPO clip epsilon below 1."""
     clip_high: float = 0.28
@@ -226,6 +228,14 @@ class LearnerConfig:
     """EMA decay of the router weights published to rollouts (0 = publish the raw router)."""
     routing_replay: bool = False
     """Replay the rollout's routed experts (R3) when trajectories carry routed_experts."""
+    value_coef: float = 0.5
+    """loss = vtrace: weight of the critic's value loss in the total loss."""
+    gamma: float = 1.0
+    """loss = vtrace: per-token discount of the V-trace return (1 = undiscounted sequence reward)."""
+    vtrace_rho_bar: float = 1.0
+    """loss = vtrace: truncation rho_bar of the importance weight in the TD errors and advantages."""
+    vtrace_c_bar: float = 1.0
+    """loss = vtrace: truncation c_bar of the trace-cutting coefficients."""
 
     def validate(self, p: str) -> None:
         _check(self.lr > 0, f"{p}.lr", self.lr, "must be > 0")
@@ -248,12 +258,16 @@ class LearnerConfig:
         _check(self.groups_per_step >= 1, f"{p}.groups_per_step", self.groups_per_step, "must be >= 1")
         _check(self.max_staleness >= 0, f"{p}.max_staleness", self.max_staleness, "must be >= 0")
         losses = ("grpo_tis", "grpo_no_correction", "grpo_mis", "grpo_seq_tis", "grpo_seq_mis",
-                  "decoupled_ppo", "ppo_coupled", "gspo")
+                  "decoupled_ppo", "ppo_coupled", "gspo", "vtrace")
         _check(self.loss in losses, f"{p}.loss", self.loss, f"must be one of {losses}")
         _check(0 < self.clip_low < 1, f"{p}.clip_low", self.clip_low, "must be in (0, 1)")
         _check(self.clip_high > 0, f"{p}.clip_high", self.clip_high, "must be > 0")
         _check(self.tis_cap >= 1, f"{p}.tis_cap", self.tis_cap, "must be >= 1")
         _check(self.publish_interval >= 1, f"{p}.publish_interval", self.publish_interval, "must be >= 1")
+        _check(self.value_coef >= 0, f"{p}.value_coef", self.value_coef, "must be >= 0")
+        _check(0 < self.gamma <= 1, f"{p}.gamma", self.gamma, "must be in (0, 1]")
+        _check(self.vtrace_rho_bar > 0, f"{p}.vtrace_rho_bar", self.vtrace_rho_bar, "must be > 0")
+        _check(self.vtrace_c_bar > 0, f"{p}.vtrace_c_bar", self.vtrace_c_bar, "must be > 0")
 
 
 @dataclass

@@ -64,17 +64,20 @@ def vtrace_losses(
     vs: torch.Tensor,
     pg_adv: torch.Tensor,
     mask: torch.Tensor,
+    num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Actor and critic losses of the IMPALA learner, token-mean over ``mask``.
 
     Args:
         logp: [B, T] log pi(a_t) with gradient; values: [B, T] V(x_t) with gradient.
         vs, pg_adv: [B, T] from :func:`vtrace`; mask: [B, T].
+        num_tokens: the denominator (default ``mask.sum()``); pass the global token count
+            divided by the data-parallel size when the batch is split across FSDP ranks.
     Returns:
         (policy_loss ``-mean(A_t log pi)``, value_loss ``0.5 mean((v_t - V)^2)``).
     """
     m = mask.to(logp.dtype)
-    n = m.sum().clamp(min=1.0)
+    n = m.sum().clamp(min=1.0) if num_tokens is None else num_tokens
     pol = -(pg_adv.detach() * logp * m).sum() / n
     val = 0.5 * (((vs.detach() - values) ** 2) * m).sum() / n
     return pol, val

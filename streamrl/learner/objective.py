@@ -17,6 +17,11 @@ decoupled_ppo         AReaL decoupled PPO: ratio to pi_prox, times ``pi_prox/mu`
                       ``tis_cap`` (the behaviour/proximal split matters with ``minibatches > 1``)
 ppo_coupled           standard PPO with the behaviour policy as the old policy (no decoupling)
 gspo                  GSPO sequence ratio to pi_prox, times the sequence truncated IS weight
+vtrace                critic variant (IMPALA): a value head learns V-trace targets
+                      (``value_coef``, ``gamma``, ``vtrace_rho_bar``, ``vtrace_c_bar``); the policy
+                      gets per-token V-trace advantages ``min(rho_bar, pi_prox/mu) (r + gamma v' - V)``
+                      (the truncated IS weight is inside them) under PPO-clip to pi_prox; group
+                      advantages are not used (see :mod:`streamrl.learner.critic`)
 ====================  ==========================================================================
 """
 from __future__ import annotations
@@ -37,6 +42,8 @@ LOSSES: dict[str, dict] = {
     "decoupled_ppo": {"is_mode": "token-mis"},
     "ppo_coupled": {"is_mode": "none", "coupled": True},
     "gspo": {},
+    # The off-policy correction is already inside the V-trace advantage (min(rho_bar, rho)).
+    "vtrace": {"is_mode": "none"},
 }
 
 
@@ -54,7 +61,8 @@ def compute_policy_loss(
     """Policy loss for ``cfg.loss`` on one rank's slice, normalised by global counts.
 
     Args:
-        logp, prox_logp, behav_logp, mask: [B, T]; advantages: [B].
+        logp, prox_logp, behav_logp, mask: [B, T]; advantages: [B] (group advantages), or
+            [B, T] per-token V-trace advantages for ``vtrace``.
         num_tokens, num_seqs: global counts divided by the data-parallel size (FSDP averages
             gradients over ranks, so each rank's share is scaled up by the world size).
         norm_len: the Dr.GRPO constant of ``seq-mean-token-sum-norm`` (max response length).
@@ -70,6 +78,18 @@ def compute_policy_loss(
         st["is_truncated_frac"] = float((raw[:, 0] > cfg.tis_cap).float().mean())
         return loss, st
     preset = LOSSES[cfg.loss]
+    if cfg.loss == "vtrace":
+        # PPO-clip on pi/pi_prox with the V-trace advantage (rather than IMPALA's plain
+        # -A log pi): with one optimizer step per batch the two have the same gradient (ratio 1);
+        # with minibatches > 1 the clip keeps later minibatches from overshooting.
+        loss, st = policy_loss(logp, prox_logp, behav_logp, advantages, mask, clip_low=cfg.clip_low,
+                               clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None, is_mode="none",
+                               agg=cfg.agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+        _, raw = importance_weights(prox_logp, behav_logp, mask, "token-tis", cfg.vtrace_rho_bar)
+        m = mask.bool()
+        st["is_weight_mean"] = float(raw[m].mean()) if m.any() else 1.0
+        st["is_truncated_frac"] = float((raw[m] > cfg.vtrace_rho_bar).float().mean()) if m.any() else 0.0
+        return loss, st
     return policy_loss(
         logp, prox_logp, behav_logp, advantages, mask,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,

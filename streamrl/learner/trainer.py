@@ -21,6 +21,8 @@ from streamrl.algorithms.advantages import group_advantages
 from streamrl.algorithms.moe_losses import load_balancing_loss, router_z_loss
 from streamrl.algorithms.regularizers import token_entropy
 from streamrl.config import Config
+from streamrl.learner.critic import (attach_value_head, critic_metrics, critic_targets, is_critic_param,
+                                     response_mdp, value_head, value_loss)
 from streamrl.learner.moe_router import RouterController, router_metrics
 from streamrl.learner.objective import compute_policy_loss, kl_term
 from streamrl.models.factory import load_model_and_tokenizer
@@ -122,10 +124,16 @@ class Trainer:
             self.ref_model = copy.deepcopy(model)
             parallelize(self.ref_model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision)
             self.ref_model.requires_grad_(False).eval()
+        # The critic's head joins the model before sharding: the root fully_shard covers it,
+        # the optimizer and DCP checkpoints see it like any other parameter.
+        self.critic = lc.loss == "vtrace"
+        if self.critic:
+            attach_value_head(model)
         self.blocks = parallelize(model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision)
         self.model = model
-        # Names and global shapes: the weights manifest is built from these.
-        self.param_specs = global_param_specs(model, lc.ep)
+        # Names and global shapes: the weights manifest is built from these (no value head:
+        # rollout engines have no such parameter).
+        self.param_specs = [s for s in global_param_specs(model, lc.ep) if not is_critic_param(s[0])]
         self.router = RouterController(model, self.blocks, lc)
         self.optim = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.99))
         self.steps_done = 0
@@ -138,15 +146,26 @@ class Trainer:
 
     def _forward(self, model, ids, attn, replay=None):
         """Logits [B, T, V] and per-layer router logits [B*T, E] (replay: [B, T, L, k] or None)."""
+        logits, routers, _ = self._forward_values(model, ids, attn, replay, values=False)
+        return logits, routers
+
+    def _forward_values(self, model, ids, attn, replay=None, values=True):
+        """(logits [B, T, V], router logits per layer [B*T, E], values [B, T-1] or None).
+
+        ``values[:, t]`` is V at the position that predicts token t+1 (the ``token_logprobs``
+        grid); computed from the final hidden state only when asked and the critic is on.
+        """
+        values = values and self.critic and model is self.model
         for i, b in enumerate(self.blocks if model is self.model else []):
             b.replay = None if replay is None else replay[:, :, i].reshape(-1, replay.shape[-1]).to(self.device)
         try:
-            out = model(input_ids=ids, attention_mask=attn, use_cache=False)
+            out = model(input_ids=ids, attention_mask=attn, use_cache=False, output_hidden_states=values)
         finally:
             for b in self.blocks:
                 b.replay = None
         routers = [b.last_router_logits for b in self.blocks] if model is self.model else []
-        return out.logits, routers
+        v = value_head(model)(out.hidden_states[-1][:, :-1]) if values else None
+        return out.logits, routers, v
 
     def step(self, batch: TensorDict) -> dict[str, float]:
         """One learner step (``minibatches`` optimizer steps) on a packed batch, same on every rank."""
@@ -157,6 +176,9 @@ class Trainer:
         b_all, t_all = padded["input_ids"].shape
         replay = padded_routed_experts(batch, t_all, len(self.blocks)) if (lc.routing_replay and self.blocks) else None
         adv = group_advantages(padded["reward"], padded["group_id"], normalize_std=lc.adv_std_norm)
+        if self.critic:  # per-token MDP of each response; group advantages are not used
+            padded["tok_reward"], padded["tok_done"], padded["resp"] = response_mdp(
+                batch["prompt_lens"].tolist(), batch["response_lens"].tolist(), padded["reward"], t_all - 1)
         self.model.train()
         agg: dict[str, float] = {}
         per_mb = math.ceil(b_all / lc.minibatches)
@@ -207,12 +229,23 @@ class Trainer:
         n_tok = float(g_mask.sum().clamp(min=1)) / self.world
         n_seq = float(len(mb)) / self.world
         norm_len = float(self.cfg.rollout.max_new_tokens)
-        logits, routers = self._forward(self.model, ids, attn, None if replay is None else replay[idx])
+        logits, routers, values = self._forward_values(self.model, ids, attn, None if replay is None else replay[idx])
         logp = token_logprobs(logits, ids, temp)
         prox_logp = logp.detach() if prox is None else prox
+        crit: dict[str, float] = {}
+        if self.critic:
+            resp = padded["resp"][idx].to(self.device)
+            vs, a = critic_targets(values, prox_logp - behav, padded["tok_reward"][idx].to(self.device),
+                                   padded["tok_done"][idx].to(self.device), resp, lc.gamma,
+                                   lc.vtrace_rho_bar, lc.vtrace_c_bar)
+            v_loss = value_loss(values, vs, mask, n_tok)
+            crit = {"learner/value_loss": float(v_loss.detach()),
+                    **critic_metrics(values, vs, mask, self.mesh.dp_group)}
         pg_loss, stats = compute_policy_loss(lc, logp, prox_logp, behav, a, mask, n_tok, n_seq, norm_len)
         loss = pg_loss
-        metrics = {"learner/loss": float(pg_loss.detach()), "learner/clip_frac": stats["clip_frac"],
+        if self.critic:
+            loss = loss + lc.value_coef * v_loss
+        metrics = {**crit,"learner/loss": float(pg_loss.detach()), "learner/clip_frac": stats["clip_frac"],
                    "learner/is_weight_mean": stats["is_weight_mean"],
                    "learner/is_truncated_frac": stats["is_truncated_frac"]}
         if self.ref_model is not None:
@@ -284,6 +317,8 @@ class Trainer:
         """
         ema = self.router.ema_state() if self.router.ema else {}
         for name, p in self.model.named_parameters():
+            if is_critic_param(name):  # the value head stays with the learner
+                continue
             yield ema[name] if name in ema else full_parameter(name, p, self.mesh)
 
     def router_ema_state(self) -> dict[str, torch.Tensor]:
