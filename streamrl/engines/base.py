@@ -7,7 +7,7 @@ Build one with :func:`streamrl.engines.factory.build_engine`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 
@@ -21,18 +21,39 @@ class Generation:
     routed_experts[i]: optional int16 [len(tokens[i]), L, k]: experts chosen in each MoE layer at
         the position that *predicted* token j (prompt end for j=0, then response token j-1), i.e.
         aligned with ``logprobs``; None when the engine does not record routing.
+    versions[i]: optional policy version of the weights that sampled each token of
+        ``tokens[i]`` (in-flight updates, see :data:`BetweenSteps`); None when the call ran
+        on one version throughout (no ``between_steps`` callback).
     """
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     routed_experts: list[torch.Tensor] | None = field(default=None)
+    versions: list[list[int]] | None = field(default=None)
+
+
+WeightsUpdate = tuple[int, Iterable[tuple[str, torch.Tensor]]]
+"""``(version, named_tensors)``: a policy version and its weights in learner (HF) names."""
+
+BetweenSteps = Callable[[], Optional[WeightsUpdate]]
+"""In-flight update hook of :meth:`Engine.generate`: called before every step that samples
+tokens (call ``c`` precedes the step that samples token ``c`` of the sequences started
+first); returns None, or an update the engine loads in place before that step. KV already
+computed with the old weights is kept (the PipelineRL approximation); the per-token versions
+in :attr:`Generation.versions` make the switch visible to the learner."""
 
 
 class Engine(Protocol):
     name: str
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> Generation:
-        """Sample one response per prompt (repeat prompts for groups)."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                 between_steps: BetweenSteps | None = None, version: int = 0) -> Generation:
+        """Sample one response per prompt (repeat prompts for groups).
+
+        ``between_steps`` (optional, engines hf_fast and vllm): in-flight weight updates, see
+        :data:`BetweenSteps`; ``version`` is the version loaded at the call, stamped on tokens
+        until an update arrives. With ``between_steps`` the result carries ``versions``.
+        """
 
     def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
         """Teacher-forced log-probs (temperature 1) of ``seq[start:]`` for each sequence."""

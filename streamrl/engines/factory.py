@@ -55,5 +55,6 @@ def build_engine(cfg: Config, model=None, tok=None):
 
         return VLLMEngine(model_folder(cfg, model, tok), dtype=cfg.model.dtype,
                           kv_cache_bytes=rc.kv_cache_mb << 20, max_model_len=rc.max_model_len,
-                          seed=cfg.run.seed, gpu_memory_utilization=rc.gpu_memory_utilization)
+                          seed=cfg.run.seed, gpu_memory_utilization=rc.gpu_memory_utilization,
+                          record_routing=rc.record_routing)
     raise ValueError(f"rollout.engine = {rc.engine!r}: must be one of {ENGINES}")

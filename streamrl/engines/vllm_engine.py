@@ -14,7 +14,18 @@ One code path for both builds. Facts this module is written around (ENVIRONMENT.
   clear it on every MoE layer before each reload;
 * prefix caching keeps KV computed with old weights, so the cache is reset after every
   update (tests/test_vllm_engine.py checks both facts);
-* per-request seeds crash the CPU engine on chunked prefill, so the engine is seeded once.
+* per-request seeds crash the CPU engine on chunked prefill, so the engine is seeded once;
+* routing capture (``record_routing``): vLLM's native ``enable_return_routed_experts`` needs
+  Model Runner V2, which needs Triton, which the CPU build lacks (``VllmConfig`` refuses:
+  "AuxOutput Connector requires Model Runner V2", and with ``VLLM_USE_V2_MODEL_RUNNER=1``
+  "Model Runner V2 requires Triton"). Where the native path starts it is used; otherwise
+  :class:`RouteRecorder` binds a capture callback to every MoE router (the same
+  ``router.set_capture_fn`` hook the native path uses, so the ids are the ones the experts
+  kernel actually ran) and maps the rows of each forward to requests and positions from the
+  V1 model runner's input batch;
+* in-flight updates (``generate(..., between_steps=...)``) drive ``llm.llm_engine`` step by
+  step; ``reset_prefix_cache`` refuses while requests run, so it runs once the batch is done
+  and KV computed before a mid-batch switch is kept (the PipelineRL approximation).
 
 Weights arrive in the learner's (transformers runtime) names, e.g. fused experts
 ``mlp.experts.gate_up_proj`` [E, 2I, H]. They are converted to checkpoint names, which is
@@ -22,13 +33,15 @@ what vLLM's loaders read, with transformers' own reverse conversion mapping.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+from functools import partial
 from typing import Iterable, Iterator
 
 import torch
 
-from streamrl.engines.base import Generation
+from streamrl.engines.base import BetweenSteps, Generation
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -60,6 +73,73 @@ class CheckpointNameAdapter:
         return revert_weight_conversion(self._meta, unadapt(named))
 
 
+class RouteRecorder:
+    """Experts vLLM routed each token to, per request and position (in-process V1 model runner).
+
+    Every MoE layer's router gets a capture callback (``topk_ids [N, k]`` of the forward's N
+    scheduled tokens). A wrapper around the runner's ``_model_forward`` snapshots which
+    request owns which rows (``input_batch.req_ids``, ``query_start_loc``) and at which
+    position they start (``num_computed_tokens``) and files the rows per request once the
+    forward returns. A recomputed position (preemption) overwrites the earlier rows.
+    """
+
+    def __init__(self, runner):
+        if not all(hasattr(runner, a) for a in ("_model_forward", "input_batch", "query_start_loc")):
+            raise RuntimeError(f"routing capture: {type(runner).__name__} is not a V1 model runner")
+        self.runner = runner
+        self.active = False
+        self._rows: dict[int, torch.Tensor] = {}  # layer id -> [N, k] of the running forward
+        self.chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}  # request -> (start pos, [n, L, k])
+        self.layer_ids: list[int] = []
+        self.bind()
+        forward = runner._model_forward
+        runner._model_forward = lambda *a, **kw: self._forward(forward, *a, **kw)
+
+    def bind(self) -> None:
+        """(Re)attach the callbacks; called after every weight reload in case modules changed."""
+        layers = [m for m in self.runner.get_model().modules()
+                  if hasattr(getattr(m, "router", None), "set_capture_fn") and hasattr(m, "layer_name")]
+        if not layers:
+            raise ValueError("record_routing: the vLLM model has no MoE router to capture")
+        for m in layers:
+            if m._quant_method.is_monolithic:  # routing inside the kernel: no router call to hook
+                raise RuntimeError(f"routing capture: {m.layer_name} uses a monolithic MoE kernel")
+            m.router.set_capture_fn(partial(self._capture, m.layer_id))
+        self.layer_ids = sorted(m.layer_id for m in layers)
+
+    def _capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        if self.active:
+            self._rows[layer_id] = topk_ids.to("cpu", torch.int16)
+
+    def _forward(self, forward, *args, **kwargs):
+        if not self.active:
+            return forward(*args, **kwargs)
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        req_ids = list(batch.req_ids[:n])
+        qsl = self.runner.query_start_loc.np[: n + 1].tolist()
+        starts = batch.num_computed_tokens_cpu[:n].tolist()
+        self._rows = {}
+        out = forward(*args, **kwargs)
+        if len(self._rows) == len(self.layer_ids):
+            rows = torch.stack([self._rows[i][: qsl[-1]] for i in self.layer_ids], dim=1)  # [N, L, k]
+            for r, rid in enumerate(req_ids):
+                if qsl[r + 1] > qsl[r]:
+                    self.chunks.setdefault(rid, []).append((int(starts[r]), rows[qsl[r]: qsl[r + 1]]))
+        self._rows = {}
+        return out
+
+    def take(self, external_id: str, first: int, n: int, k: int) -> torch.Tensor:
+        """int16 [n, L, k] rows of positions ``first .. first + n - 1`` (-1 where never computed)."""
+        out = torch.full((n, len(self.layer_ids), k), -1, dtype=torch.int16)
+        for rid in [r for r in self.chunks if r == external_id or r.rsplit("-", 1)[0] == external_id]:
+            for start, rows in self.chunks.pop(rid):
+                lo, hi = max(start, first), min(start + len(rows), first + n)
+                if lo < hi:
+                    out[lo - first: hi - first] = rows[lo - start: hi - start]
+        return out
+
+
 def _max_positions(folder: str) -> int | None:
     import json
     from pathlib import Path
@@ -81,13 +161,16 @@ class VLLMEngine:
         seed: engine seed (sampling RNG).
         enable_prefix_caching: reuse KV of shared prompt prefixes (reset after every update).
         gpu_memory_utilization: GPU only; ignored on CPU.
+        record_routing: return ``Generation.routed_experts`` (int16 ``[len(tokens[i]), L, k]``,
+            aligned like the hf engines'), natively where vLLM supports it, else by
+            :class:`RouteRecorder`.
     """
 
     name = "vllm"
 
     def __init__(self, folder: str, *, dtype: str = "float32", kv_cache_bytes: int = 256 << 20,
                  max_model_len: int = 512, seed: int = 0, enable_prefix_caching: bool = True,
-                 gpu_memory_utilization: float = 0.5):
+                 gpu_memory_utilization: float = 0.5, record_routing: bool = False):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype = {dtype!r}: must be one of {sorted(_DTYPES)}")
         if kv_cache_bytes <= 0:
@@ -103,33 +186,154 @@ class VLLMEngine:
         if limit is not None and max_model_len > limit:
             log.info("max_model_len %d > model's %d positions; using %d", max_model_len, limit, limit)
             max_model_len = limit
-        self.llm = LLM(
+        kwargs = dict(
             model=self.folder, dtype=dtype, seed=seed, enforce_eager=True,
             kv_cache_memory_bytes=int(kv_cache_bytes), max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
             generation_config="vllm", gpu_memory_utilization=gpu_memory_utilization,
         )
+        self.native_routing = False
+        self.recorder: RouteRecorder | None = None
+        if record_routing:
+            try:  # the config check fails fast (before any model load) where it is unsupported
+                self.llm = LLM(**kwargs, enable_return_routed_experts=True)
+                self.native_routing = True
+            except ValueError as e:
+                if "Model Runner V2" not in str(e):
+                    raise
+                log.info("native routed-experts capture unavailable (%s); using router capture hooks",
+                         str(e).splitlines()[-1][:120] if str(e) else e)
+        if not self.native_routing:
+            self.llm = LLM(**kwargs)
         self.tok = self.llm.get_tokenizer()
         self.eos_id = self.tok.eos_token_id
         self._adapter = CheckpointNameAdapter(self.folder)
         self.updates = 0
+        self._ids = itertools.count()
+        if record_routing and not self.native_routing:
+            self.recorder = RouteRecorder(self._worker().model_runner)
+        self._top_k = self._moe_top_k() if record_routing else 0
 
     # -- generation ------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0) -> Generation:
-        """Sample one response per prompt; ``logprobs[i][j]`` = log mu of the sampled token."""
+    def _moe_top_k(self) -> int:
+        import json
+        from pathlib import Path
+
+        cfg = json.loads((Path(self.folder) / "config.json").read_text())
+        for key in ("num_experts_per_tok", "moe_topk", "top_k"):
+            if isinstance(cfg.get(key), int):
+                return cfg[key]
+        raise ValueError(f"record_routing: {self.folder}/config.json names no experts-per-token")
+
+    def _params(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, delta: bool = False):
+        """One SamplingParams per prompt (native routing starts its rows at the prompt's last token)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        kw = dict(n=1, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens, logprobs=0,
+                  detokenize=False)
+        if delta:
+            kw["output_kind"] = RequestOutputKind.DELTA
+        if not self.native_routing:
+            return [SamplingParams(**kw)] * len(prompts)
+        return [SamplingParams(**kw, routed_experts_prompt_start=len(p) - 1) for p in prompts]
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                 between_steps: BetweenSteps | None = None, version: int = 0) -> Generation:
+        """Sample one response per prompt; ``logprobs[i][j]`` = log mu of the sampled token.
+
+        Without ``between_steps`` this is one ``LLM.generate`` call. With it, see
+        :meth:`_generate_inflight`.
+        """
         from vllm.inputs import TokensPrompt
 
-        sp = SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
-                            logprobs=0, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
-        tokens, logprobs = [], []
-        for o in outs:
+        if between_steps is not None:
+            return self._generate_inflight(prompts, max_new_tokens, temperature, between_steps, version)
+        if self.recorder is not None:
+            self.recorder.active = True
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                     self._params(prompts, max_new_tokens, temperature), use_tqdm=False)
+        finally:
+            if self.recorder is not None:
+                self.recorder.active = False
+        tokens, logprobs, routed = [], [], []
+        for o, p in zip(outs, prompts):
             c = o.outputs[0]
             ids = list(c.token_ids)
             tokens.append(ids)
             logprobs.append([float(step[t].logprob) for t, step in zip(ids, c.logprobs)])
-        return Generation(tokens=tokens, logprobs=logprobs)
+            if self._top_k:
+                routed.append(self._routes(o.request_id, c, len(p), len(ids)))
+        return Generation(tokens=tokens, logprobs=logprobs, routed_experts=routed if self._top_k else None)
+
+    def _generate_inflight(self, prompts, max_new_tokens, temperature, between_steps: BetweenSteps,
+                           version: int) -> Generation:
+        """Drive ``llm.llm_engine`` step by step, loading updates from ``between_steps`` in between.
+
+        Call ``c`` of ``between_steps`` precedes engine step ``c``; every token a step emits is
+        stamped with the version loaded at that step. Engine steps are synchronous in-process
+        (no async scheduling on this path), so a token is always sampled by the weights that
+        were loaded when its step started. KV computed before a switch stays (prefill and
+        earlier decode steps), and the prefix cache is reset only after the batch, because vLLM
+        refuses a reset while requests run: a prompt prefilled after the switch may reuse
+        prefix blocks computed before it within this batch, never across batches.
+        """
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("vLLM engine has unfinished requests; in-flight generate needs it idle")
+        call = next(self._ids)
+        rids = [f"s{call}_{i}" for i in range(len(prompts))]
+        index = {rid: i for i, rid in enumerate(rids)}
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        versions: list[list[int]] = [[] for _ in prompts]
+        finals: list = [None] * len(prompts)
+        stale_prefix = False
+        if self.recorder is not None:
+            self.recorder.active = True
+        try:
+            for rid, p, sp in zip(rids, prompts, self._params(prompts, max_new_tokens, temperature, delta=True)):
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), sp)
+            while engine.has_unfinished_requests():
+                update = between_steps()
+                if update is not None:
+                    version = int(update[0])
+                    self._reload(update[1])
+                    stale_prefix = True
+                for o in engine.step():
+                    i = index[o.request_id]
+                    c = o.outputs[0]
+                    new = list(c.token_ids)
+                    tokens[i] += new
+                    logprobs[i] += [float(step[t].logprob) for t, step in zip(new, c.logprobs)]
+                    versions[i] += [version] * len(new)
+                    if o.finished:
+                        finals[i] = (o.request_id, c)
+        except BaseException:
+            engine.abort_request(rids)
+            raise
+        finally:
+            if self.recorder is not None:
+                self.recorder.active = False
+            if stale_prefix and not engine.has_unfinished_requests():
+                self.reset_prefix_cache()
+        routed = None
+        if self._top_k:
+            routed = [self._routes(f[0], f[1], len(p), len(t)) for f, p, t in zip(finals, prompts, tokens)]
+        return Generation(tokens=tokens, logprobs=logprobs, routed_experts=routed, versions=versions)
+
+    def _routes(self, request_id: str, completion, prompt_len: int, n: int) -> torch.Tensor:
+        """int16 [n, L, k]: row j = experts at position prompt_len - 1 + j (predicted token j)."""
+        if self.recorder is not None:
+            return self.recorder.take(request_id, prompt_len - 1, n, self._top_k)
+        arr = torch.from_numpy(completion.routed_experts).to(torch.int16)  # rows from prompt_len - 1
+        out = torch.full((n, *arr.shape[1:]), -1, dtype=torch.int16)
+        m = min(n, arr.shape[0])
+        out[:m] = arr[:m]
+        return out
 
     def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
         """Teacher-forced log-probs (temperature 1) of ``seq[start:]`` via ``prompt_logprobs``."""
@@ -173,12 +377,18 @@ class VLLMEngine:
         All names are converted and checked against the engine's checkpoint names before
         anything is written, so an update with unknown names raises and loads nothing.
         """
+        self._reload(named_tensors)
+        self.reset_prefix_cache()
+
+    def _reload(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload every weight in place; the prefix cache is the caller's to reset."""
         converted = self._adapter(named_tensors)
         runner = self._worker().model_runner
         model = runner.get_model()
         self._clear_moe_kernels(model)
         runner.reload_weights(weights_iterator=self._checked(converted), is_checkpoint_format=True)
-        self.reset_prefix_cache()
+        if self.recorder is not None:
+            self.recorder.bind()
         self.updates += 1
 
     @staticmethod
