@@ -3,8 +3,15 @@
 The loop never waits for the learner except through admission control: before each batch
 the worker reserves capacity in Redis (at most ``max_staleness`` versions ahead of what the
 learner accepts). After reserving it loads the newest published weights, so with
-``max_staleness=0`` every sample is on-policy (the synchronous baseline). Weights change
-only between batches, so every token of a batch carries that batch's version exactly.
+``max_staleness=0`` every sample is on-policy (the synchronous baseline). By default weights
+change only between batches, so every token of a batch carries that batch's version.
+
+With ``rollout.inflight_updates`` (engines hf_fast and vllm) the engine also calls back between
+decode steps; the callback polls for a newer version at most every ``INFLIGHT_POLL_S``,
+fetches and loads it mid-generation (PipelineRL-style), and each token carries the version
+that sampled it (``policy_version`` per token). The learner's buffer measures a trajectory's
+lag by its *oldest* token version, so a mixed-version trajectory counts as old as its first
+tokens. KV computed before a switch is kept (see the engines).
 
 :class:`BatchRoller` is the Redis-free part (prompts -> engine -> rewards -> packed
 trajectories); the benchmark drives it directly.
@@ -37,6 +44,8 @@ from streamrl.weights.factory import make_subscriber
 from streamrl.weights.layout import ChecksumError
 
 HEARTBEAT_S = 1.0
+# In-flight updates: the Redis look-up for a newer version runs at most this often.
+INFLIGHT_POLL_S = 0.05
 # A restarted worker gets a new incarnation; ids carry it so they never repeat.
 INCARNATION_BITS = 28
 
@@ -73,14 +82,19 @@ class BatchRoller:
         self._counter += 1
         return make_id(self.wid, self._counter)
 
-    def rollout_batch(self, version: int):
-        """Generate, score and pack one batch; every token is stamped with ``version``."""
+    def rollout_batch(self, version: int, between_steps=None):
+        """Generate, score and pack one batch; tokens are stamped with ``version``, or, with
+        ``between_steps`` (in-flight updates), with the version the engine reports per token."""
         rc = self.cfg.rollout
         started = time.time()
         problems = [next(self.problems) for _ in range(rc.prompts_per_batch)]
         prompt_ids = [self.encode(p.prompt) for p in problems]
         flat_prompts = [ids for ids in prompt_ids for _ in range(rc.group_size)]
-        gen = self.engine.generate(flat_prompts, rc.max_new_tokens, rc.temperature)
+        if between_steps is None:  # the plain call: every engine, no per-step hook
+            gen = self.engine.generate(flat_prompts, rc.max_new_tokens, rc.temperature)
+        else:
+            gen = self.engine.generate(flat_prompts, rc.max_new_tokens, rc.temperature,
+                                       between_steps=between_steps, version=version)
         texts = self.tok.batch_decode(gen.tokens, skip_special_tokens=True)
         flat_problems = [p for p in problems for _ in range(rc.group_size)]
         rewards, components = self.reward.score(flat_problems, texts)
@@ -90,7 +104,7 @@ class BatchRoller:
             for _ in range(rc.group_size):
                 group_ids.append(gid)
                 traj_ids.append(self._next_id())
-        versions = [[version] * len(t) for t in gen.tokens]
+        versions = gen.versions if gen.versions is not None else [[version] * len(t) for t in gen.tokens]
         optional = {"started_at": started, "reward_components": components, "routed_experts": gen.routed_experts}
         # optional trajectory fields as far as this checkout's trajectory contract knows them
         optional = {k: v for k, v in optional.items() if k in _PACK_PARAMS and v is not None}
@@ -148,6 +162,8 @@ class RolloutWorker:
         self.counter = 0
         self.stopping = False
         self.host = socket.gethostname()
+        self._last_poll = 0.0
+        self.inflight_loads = 0
 
     def _next_id(self) -> int:
         self.counter += 1
@@ -175,6 +191,35 @@ class RolloutWorker:
         if self.probes is not None:
             self.metrics.write({**self.parity(), "rollout/parity_version": v})
         return load_s
+
+    def between_steps(self):
+        """In-flight hook for the engine: ``(version, tensors)`` of a newer version, or None.
+
+        Polls Redis at most every ``INFLIGHT_POLL_S``; loads the reference model (parity) and
+        acks the version here, the engine loads the returned tensors right after. The parity
+        probe is not scored for versions loaded mid-batch (it would stall every sequence); the
+        next version loaded at a batch boundary is scored as usual.
+        """
+        now = time.monotonic()
+        if now - self._last_poll < INFLIGHT_POLL_S:
+            return None
+        self._last_poll = now
+        v = self.subscriber.newer_version()
+        if v is None:
+            return None
+        try:
+            tensors = self.subscriber.fetch(v)
+        except ChecksumError as e:
+            self.log.warning("%s; will re-fetch", e)
+            return None
+        if tensors is None:
+            return None
+        tensors = list(tensors)  # the engine reads them after we return (and maybe the reference)
+        if self.reference is not None:
+            self.reference.load_weights(tensors)
+        self.subscriber.mark_loaded(self.wid, v)
+        self.inflight_loads += 1
+        return v, tensors
 
     def parity(self) -> dict[str, float]:
         """``rollout/mismatch_kl`` etc. between engine and HF reference on the probe set."""
@@ -215,7 +260,8 @@ class RolloutWorker:
                     time.sleep(0.05)
                     continue
                 t_gen = time.perf_counter()
-                td = self.roller.rollout_batch(self.subscriber.loaded_version)
+                td = self.roller.rollout_batch(self.subscriber.loaded_version,
+                                               self.between_steps if rc.inflight_updates else None)
                 gen_s = time.perf_counter() - t_gen
                 while not sender.send(td, timeout_s=1.0):  # blocked by backpressure
                     if self.coord.stop_reason() is not None or self.stopping:
@@ -234,6 +280,7 @@ class RolloutWorker:
                     "rollout/weights_load_s": load_s,
                     "rollout/admission_wait_s": wait_s,
                     "rollout/tokens_per_s": gen_tokens / max(elapsed, 1e-9),
+                    "rollout/inflight_loads": self.inflight_loads,
                 })
         finally:
             try:  # leaving a live run (signal): give queued trajectories a moment to reach the learner

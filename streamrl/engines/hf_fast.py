@@ -25,6 +25,9 @@ with its own loop:
   preallocated ``[B, S, L, k]`` buffer at each row's position (device ops only, so it is
   captured with the step).
 * MoE experts run through HF's ``grouped_mm`` implementation (capturable: histc, no sync).
+* **In-flight updates**: ``generate(..., between_steps=cb)`` calls ``cb`` before the first
+  prefill and before every decode step; an update it returns is copied into the parameters in
+  place (graphs stay valid) and stamps every later token; KV already in the cache is kept.
 
 On CPU the same loop runs eagerly; greedy decoding gives the same tokens as ``generate()``.
 """
@@ -39,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from streamrl.engines.base import Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
+from streamrl.engines.base import BetweenSteps, Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
 
 _ATTN = "streamrl_static_kv"
 
@@ -331,8 +334,14 @@ class FastHFEngine:
 
     # ----------------------------------------------------------------------------- interface
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0) -> Generation:
-        """Sample one response per prompt; ``temperature == 0`` is greedy. Slots refill as rows finish."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                 between_steps: BetweenSteps | None = None, version: int = 0) -> Generation:
+        """Sample one response per prompt; ``temperature == 0`` is greedy. Slots refill as rows finish.
+
+        ``between_steps`` (in-flight updates, see :data:`streamrl.engines.base.BetweenSteps`) is
+        called before the first prefill and before every decode step; tokens are stamped with
+        ``version`` until it returns an update, then with the update's version (``versions``).
+        """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
         if temperature < 0:
@@ -352,6 +361,17 @@ class FastHFEngine:
         out_t: list = [None] * len(prompts)
         out_l: list = [None] * len(prompts)
         out_r: list = [None] * len(prompts)
+        # Host-side version of every step a slot took part in; a slot's real tokens are the
+        # first gen[slot] of them (a row finished on the device keeps stepping as idle).
+        slot_v: list[list[int]] | None = [[] for _ in range(self.batch)] if between_steps else None
+        out_v: list = [None] * len(prompts)
+        current = [int(version)]
+
+        def poll() -> None:
+            update = between_steps() if between_steps is not None else None
+            if update is not None:
+                self.load_weights(update[1])
+                current[0] = int(update[0])
 
         def fill(free: list[int]) -> None:
             take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
@@ -361,6 +381,8 @@ class FastHFEngine:
                 self._prefill(slots, [prompts[j] for j in chunk], greedy)
                 for s, j in zip(slots, chunk):
                     owner[s], host_pos[s], host_gen[s] = j, len(prompts[j]), 1
+                    if slot_v is not None:
+                        slot_v[s] = [current[0]]
 
         def harvest(slots: list[int]) -> None:
             idx = torch.tensor(slots, device=self.device)
@@ -373,14 +395,18 @@ class FastHFEngine:
                 if hist is not None:  # position P-1+t predicted response token t
                     p0 = len(prompts[j]) - 1
                     out_r[j] = hist[r, p0: p0 + n[r]].clone()
+                if slot_v is not None:
+                    out_v[j] = slot_v[s][: n[r]]
                 owner[s] = -1
 
         with self._impl():
+            poll()
             fill(list(range(self.batch)))
             steps = 0
             while any(o >= 0 for o in owner):
                 live = [s for s in range(self.batch) if owner[s] >= 0 and host_gen[s] < max_new_tokens]
                 if live:
+                    poll()
                     top = max(host_pos[s] for s in live) + 1
                     span = min(-(-top // self.span_bucket) * self.span_bucket, self.max_len)
                     self._step(span, greedy)
@@ -388,13 +414,16 @@ class FastHFEngine:
                     for s in live:
                         host_pos[s] += 1
                         host_gen[s] += 1
+                        if slot_v is not None:
+                            slot_v[s].append(current[0])
                 if not live or steps % self.sync_every == 0 or all(host_gen[s] >= max_new_tokens for s in live):
                     done = self.done.cpu().tolist()  # the loop's one host sync, every sync_every steps
                     finished = [s for s in range(self.batch) if owner[s] >= 0 and done[s]]
                     if finished:
                         harvest(finished)
                         fill(finished)
-        return Generation(tokens=out_t, logprobs=out_l, routed_experts=out_r if self.routers else None)
+        return Generation(tokens=out_t, logprobs=out_l, routed_experts=out_r if self.routers else None,
+                          versions=out_v if slot_v is not None else None)
 
     def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
         """Teacher-forced log-probs (temperature 1) of ``seq[start:]``; one eager forward."""
