@@ -240,6 +240,8 @@ class Trainer:
                                    lc.vtrace_rho_bar, lc.vtrace_c_bar)
             v_loss = value_loss(values, vs, mask, n_tok)
             crit = {"learner/value_loss": float(v_loss.detach()),
+                    # global token mean after the rank average (n_tok is global / world)
+                    "learner/vtrace_advantage_abs_mean": float((a.abs() * mask).sum()) / n_tok,
                     **critic_metrics(values, vs, mask, self.mesh.dp_group)}
         pg_loss, stats = compute_policy_loss(lc, logp, prox_logp, behav, a, mask, n_tok, n_seq, norm_len)
         loss = pg_loss
