@@ -8,6 +8,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streamrl.utils import die_with_parent
+
+# Children (and torchrun's ranks, which read this) ask the kernel for SIGTERM when their parent
+# dies, so a SIGKILLed launcher or torchrun agent leaves no orphans holding ports and devices.
+DIE_WITH_PARENT_ENV = "STREAMRL_DIE_WITH_PARENT"
+
 
 @dataclass
 class ManagedProcess:
@@ -33,7 +39,8 @@ class ManagedProcess:
         log.write(f"\n=== start {self.name} (restart {self.restarts}): {' '.join(self.cmd)}\n".encode())
         log.flush()
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **self.env}, start_new_session=True)
+                                     env={**os.environ, DIE_WITH_PARENT_ENV: "1", **self.env},
+                                     start_new_session=True, preexec_fn=die_with_parent)
         log.close()
 
     @property

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import redis
 
+from streamrl.utils import die_with_parent
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -46,7 +48,9 @@ class RedisServer:
         if self.password:
             cmd += ["--requirepass", self.password]
         log = open(self.workdir / "redis.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # dies with the launcher: a SIGKILLed head must not leave the embedded server running
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         while time.monotonic() < deadline:

@@ -1,9 +1,10 @@
-"""Small process-level helpers: logging setup, thread limits, seeding."""
+"""Small process-level helpers: logging setup, thread limits, seeding, dying with the parent."""
 from __future__ import annotations
 
 import logging
 import os
 import random
+import signal
 import sys
 
 import torch
@@ -27,3 +28,32 @@ def limit_threads(n: int | None = None) -> None:
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+# prctl(PR_SET_PDEATHSIG) through libc, resolved once here: ``die_with_parent`` also runs as a
+# ``preexec_fn`` between fork and exec, where importing or loading libraries could deadlock.
+_PR_SET_PDEATHSIG = 1
+try:
+    import ctypes
+
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):  # pragma: no cover - not Linux / no libc symbol
+    _prctl = None
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent exits (Linux only).
+
+    Why: torchrun starts each rank in a session of its own, so killing the agent's process
+    group (or the agent being SIGKILLed) leaves the ranks running, holding the port, the GPU
+    and the Redis lease. The parent is the process (thread) that forked us; if it is already
+    gone when we ask, we signal ourselves. Returns False where unsupported.
+    """
+    if _prctl is None:
+        return False
+    parent = os.getppid()
+    if _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), sig)
+    return True

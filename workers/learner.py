@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import socket
+import signal
 import sys
 import time
 from collections import Counter
@@ -34,7 +35,7 @@ from streamrl.learner.trainer import Trainer
 from streamrl.metrics import JsonlSink, MultiSink, RateLimitedRedisSink, tensorboard_sink
 from streamrl.transport.channel import TrajectoryReceiver
 from streamrl.transport.codec import Limits
-from streamrl.utils import limit_threads, seed_everything, setup_logging
+from streamrl.utils import die_with_parent, limit_threads, seed_everything, setup_logging
 from streamrl.weights.factory import make_publisher
 
 # If no complete batch arrives for this long, assume reservations of dead workers leaked
@@ -58,6 +59,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if os.environ.get("STREAMRL_DIE_WITH_PARENT") == "1":
+        # a torchrun rank is in a session of its own: go when the agent goes. SIGKILL, not SIGTERM:
+        # the launcher restarts the job from the checkpoint + journal, and a rank still writing a
+        # checkpoint then would race the new learner reading it
+        die_with_parent(signal.SIGKILL)
     limit_threads()
     if "RANK" in os.environ and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("STREAMRL_BACKEND") != "gloo" else "gloo"
