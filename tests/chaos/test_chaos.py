@@ -62,6 +62,31 @@ def test_learner_sigkilled_and_resumed(launch):
     assert "restart 1/1 with --resume" in run.log.read_text()
 
 
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_torchrun_agent_sigkilled_takes_its_rank_and_the_run_resumes(launch):
+    # SIGKILL the agent, not the rank: torchrun keeps ranks in their own sessions, so without
+    # die_with_parent the old rank would keep training, holding the port and double-counting.
+    steps = 80
+    run = launch("--learner-restarts", "1", steps=steps)
+    wait_for(lambda: run.steps() >= 6 and run.steps() % 4 in (1, 2), 180, "6+ learner steps, between checkpoints")
+    agent, rank = run.learner_pid(), run.learner_rank_pid()
+    assert agent is not None and rank is not None and run.steps() < steps - 10, "too late to inject the fault"
+    os.kill(agent, signal.SIGKILL)
+    wait_for(lambda: _exited(rank), 15, "the orphaned rank to exit")
+    assert run.wait(280) == 0
+    s = check_consistent(run, steps)
+    assert s["resumed_from_step"] >= 4
+    assert set(s["accounting"]["lost"]) <= {"stale", "in_flight_gap"}, s["accounting"]["lost"]
+    assert "restart 1/1 with --resume" in run.log.read_text()
+
+
 def test_redis_restarted_mid_run(launch, redis_srv):
     steps = 60
     run = launch(steps=steps)
