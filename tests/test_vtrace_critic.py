@@ -21,6 +21,16 @@ from test_checkpoint import REPO, make_batch
 VT = ["learner.loss=vtrace"]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a loaded 2-core machine two OpenMP threads made 30 tiny steps
+    take 28 s instead of 1 s (spin-waiting threads preempted); the gloo ranks already use one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _cfg(*extra):
     return load_config(f"{REPO}/configs/tiny.yaml", [*VT, *extra])
 
