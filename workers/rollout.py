@@ -90,6 +90,8 @@ class BatchRoller:
         problems = [next(self.problems) for _ in range(rc.prompts_per_batch)]
         prompt_ids = [self.encode(p.prompt) for p in problems]
         flat_prompts = [ids for ids in prompt_ids for _ in range(rc.group_size)]
+        if between_steps is None and rc.inflight_updates:
+            between_steps = _no_update  # same engine path as the worker's (the benchmark measures it)
         if between_steps is None:  # the plain call: every engine, no per-step hook
             gen = self.engine.generate(flat_prompts, rc.max_new_tokens, rc.temperature)
         else:
@@ -116,6 +118,10 @@ class BatchRoller:
 
 
 _PACK_PARAMS = set(inspect.signature(pack_trajectories).parameters)
+
+
+def _no_update():
+    return None
 
 
 def parse_args(argv=None):
