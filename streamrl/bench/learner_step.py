@@ -177,8 +177,9 @@ def main(argv=None) -> int:
         opt.step()
 
     if args.compile:
-        for layer in model.model.layers:
-            layer.compile()
+        from streamrl.parallel.expert_parallel import compile_decoder_layers
+
+        compile_decoder_layers(model)  # after parallelize: FSDP wraps the module, forward is swapped
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(args.warmup):
         step()

@@ -129,7 +129,8 @@ class Trainer:
         self.critic = lc.loss == "vtrace"
         if self.critic:
             attach_value_head(model)
-        self.blocks = parallelize(model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision)
+        self.blocks = parallelize(model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision,
+                                  compile_layers=lc.compile)
         self.model = model
         # Names and global shapes: the weights manifest is built from these (no value head:
         # rollout engines have no such parameter).

@@ -1,0 +1,74 @@
+"""``torch.compile`` of the decoder layers (``learner.compile``): same numbers as eager, names unchanged.
+
+Compiling on 2 CPU cores takes tens of seconds, hence ``slow``.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from streamrl.config import ModelConfig
+from streamrl.models.factory import build_model
+from streamrl.parallel.expert_parallel import parallelize
+from streamrl.parallel.mesh import build_mesh
+from streamrl.parallel.testing import spawn_gloo
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# Compile in-process: inductor's worker pool (forked compiler processes) is what a loaded 2-core
+# machine can least afford, and the gloo ranks compile at the same time.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+MCFG = ModelConfig(num_experts=4, experts_per_token=2, num_layers=2)
+
+
+def _loss_and_grads(model, ids):
+    out = model(input_ids=ids, use_cache=False).logits
+    loss = torch.log_softmax(out.float(), -1).mean()
+    loss.backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_compiled_layers_match_eager_and_keep_names():
+    torch.manual_seed(0)
+    eager, _ = build_model(MCFG, seed=0)
+    compiled = copy.deepcopy(eager)
+    mesh = build_mesh(1, "cpu", MCFG.num_experts)
+    parallelize(eager, mesh, torch.device("cpu"))
+    parallelize(compiled, mesh, torch.device("cpu"), compile_layers=True)
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    ids = torch.randint(0, 60, (3, 12))
+    for _ in range(2):  # the second call runs the cached graphs
+        for m in (eager, compiled):
+            m.zero_grad(set_to_none=True)
+        y_e, g_e = _loss_and_grads(eager, ids)
+        y_c, g_c = _loss_and_grads(compiled, ids)
+        assert torch.allclose(y_e, y_c, atol=1e-5)
+        assert g_e.keys() == g_c.keys()
+        for n in g_e:
+            assert torch.allclose(g_e[n], g_c[n], atol=1e-5), n
+
+
+def _fsdp_worker(rank, world, compile_layers):
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    model, _ = build_model(MCFG, seed=0)
+    mesh = build_mesh(2, "cpu", MCFG.num_experts)  # ep = 2: the all-to-all sizes break the graph
+    parallelize(model, mesh, torch.device("cpu"), compile_layers=compile_layers)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 60, (2, 10), generator=g)
+    out = model(input_ids=ids, use_cache=False).logits
+    out.float().square().mean().backward()
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for n, p in model.named_parameters() if p.grad is not None and ".experts." not in n}
+    return {"y": out.detach(), "grads": grads}
+
+
+def test_compiled_layers_under_fsdp2_and_ep2_match_eager():
+    eager = spawn_gloo(_fsdp_worker, 2, False, timeout_s=300)
+    compiled = spawn_gloo(_fsdp_worker, 2, True, timeout_s=300)
+    for e, c in zip(eager, compiled):
+        assert torch.allclose(e["y"], c["y"], atol=1e-5)
+        for n in e["grads"]:
+            assert torch.allclose(e["grads"][n], c["grads"][n], atol=1e-5), n
