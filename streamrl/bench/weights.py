@@ -188,7 +188,8 @@ def _subscriber(args) -> int:
 
     torch.set_num_threads(1)
     coord = Coordinator(args.redis_url, args.run)
-    sub = WeightSubscriber(coord, plane=args.plane, streams=args.streams)
+    sub = WeightSubscriber(coord, plane=args.plane, streams=args.streams, device=args.device,
+                           pin_store=None if args.pin == "on" else False)
     engine = DictEngine(args.device)
     ps = coord.subscribe_versions()
     active_key = coord.keys._k("bench", "active")
@@ -212,11 +213,12 @@ def run_plane(plane: str, sizes_mb: list[int], subs: list[int], args, redis_url:
     active_key = coord.keys._k("bench", "active")
     coord.r.set(active_key, 0)
     pub = WeightPublisher(coord, run, plane="auto", bucket_bytes=args.bucket_mb * MB, keep=2,
-                          checksum=args.checksum)
+                          checksum=args.checksum, pin_store=args.pin == "on")
     n_max = max(subs)
     procs = [subprocess.Popen([sys.executable, "-m", "streamrl.bench.weights", "--subscriber",
                                "--redis-url", redis_url, "--run", run, "--worker-id", str(w),
-                               "--plane", plane, "--streams", str(args.streams), "--device", args.sub_device])
+                               "--plane", plane, "--streams", str(args.streams), "--device", args.sub_device,
+                               "--pin", args.pin])
              for w in range(1, n_max + 1)]
     rows, version = [], 0
     try:
@@ -305,6 +307,8 @@ def parse_args(argv):
     p.add_argument("--streams", type=int, default=2, help="ZeroMQ streams per subscriber")
     p.add_argument("--repeat", type=int, default=2, help="timed rounds per row (best is kept)")
     p.add_argument("--device", default="cpu", help="learner tensors' device: cpu or cuda (D2H + transfer + H2D)")
+    p.add_argument("--pin", default="on", choices=["on", "off"],
+                   help="page-lock the store for CUDA copies (GPU learner / engine; off = pageable path)")
     p.add_argument("--max-mem-gb", type=float, default=12.0, help="skip rows estimated to need more memory")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     # internal roles

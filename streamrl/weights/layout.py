@@ -52,21 +52,24 @@ class Checksum:
         if algo not in ALGOS:
             raise ValueError(f"weights checksum algo {algo!r} is unknown; choose one of {ALGOS}")
         self.algo = algo
-        self._sum: torch.Tensor | int = 0
+        self._sums: dict[str, torch.Tensor] = {}  # per device type: partial sums stay on their device
         self._crc = 0
 
     def update(self, chunk: torch.Tensor) -> None:
         if chunk.numel() == 0:
             return
         if self.algo == "sum64":
-            # int64 sums wrap modulo 2**64, so the result is independent of reduction order.
-            self._sum = self._sum + chunk.view(torch.int64).sum()
+            # int64 sums wrap modulo 2**64, so the result is independent of reduction order
+            # (and of which device summed which chunk).
+            dev = chunk.device.type
+            s = chunk.view(torch.int64).sum()
+            self._sums[dev] = s if dev not in self._sums else self._sums[dev] + s
         else:
             self._crc = zlib.crc32(memoryview(chunk.numpy()), self._crc)
 
     def digest(self) -> str:
         if self.algo == "sum64":
-            return str(int(self._sum) & 0xFFFFFFFFFFFFFFFF)
+            return str(sum(int(s) for s in self._sums.values()) & 0xFFFFFFFFFFFFFFFF)
         return f"{self._crc:08x}"
 
 

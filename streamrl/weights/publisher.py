@@ -6,8 +6,10 @@ to the engine's names/layout (:mod:`streamrl.weights.adapter`), and writes it in
 data plane bucket by bucket. As soon as a bucket is complete its checksum goes to Redis,
 so subscribers start transferring and verifying while later buckets are still gathered;
 the version becomes *current* only when every bucket is in. Extra learner memory is one
-full tensor from the gather (plus one bucket-sized pinned bounce buffer for GPU tensors,
-or one bucket on the GPU for the collective plane): never a second model copy.
+full tensor from the gather (plus, for GPU tensors the store cannot take by DMA, one
+bucket-sized pinned bounce buffer; or one bucket on the GPU for the collective plane):
+never a second model copy. GPU tensors are copied straight into the page-locked store
+(:mod:`streamrl.weights.pinning`) and checksummed on the GPU: no host pass over the bytes.
 
 Data planes (``plane``):
 
@@ -48,12 +50,14 @@ class WeightPublisher:
 
     def __init__(self, coord: Coordinator, run: str, plane: str = "auto", bucket_bytes: int = 64 << 20,
                  keep: int = 3, checksum: str = "sum64", target: str = "hf", bind_host: str = "127.0.0.1",
-                 advertise_host: str | None = None, collective_world: int = 0, device: str | None = None):
+                 advertise_host: str | None = None, collective_world: int = 0, device: str | None = None,
+                 pin_store: bool = True):
         if plane not in PLANES:
             raise ValueError(f"weights data_plane {plane!r} is unknown; choose one of {PLANES}")
         Checksum(checksum)  # validates the algo name
         self.coord, self.run, self.plane = coord, run, plane
         self.bucket_bytes, self.keep, self.checksum, self.target = bucket_bytes, keep, checksum, target
+        self.pin_store = pin_store  # page-lock store files for GPU tensors (DMA, GPU checksum)
         self.store = self.server = self.collective = None
         self._bounce: torch.Tensor | None = None
         self._ready: dict[int, int] = {}  # version -> buckets ready (read by the server thread)
@@ -125,7 +129,7 @@ class WeightPublisher:
                     raise ValueError(f"tensor {ename} {tuple(piece.shape)} does not match its spec "
                                      f"{e['name']} {e['shape']}")
                 if vf is not None:
-                    self._write(vf.region(e["offset"], _padded(e)), piece.contiguous(), ck)
+                    self._write(vf, vf.region(e["offset"], _padded(e)), piece.contiguous(), ck)
                 else:
                     pending_pieces.append((e, piece))
                 entry_i += 1
@@ -155,13 +159,25 @@ class WeightPublisher:
                 "weights/publish_s": time.perf_counter() - t0, "weights/bytes": float(layout.total_bytes),
                 "weights/buckets": float(len(layout.buckets)), "weights/peak_tensor_bytes": float(peak)}
 
-    def _write(self, dst: torch.Tensor, src: torch.Tensor, ck: Checksum) -> None:
-        """Copy one engine tensor into the store; GPU tensors go through a pinned bounce buffer."""
+    def _write(self, vf, dst: torch.Tensor, src: torch.Tensor, ck: Checksum) -> None:
+        """Copy one engine tensor into the store region ``dst`` (uint8 [padded nbytes]).
+
+        CPU tensors: chunked copy + checksum (:func:`write_tensor`). GPU tensors: one DMA
+        straight into the page-locked store, checksummed on the GPU, so the host makes no pass
+        over the bytes at all; where the store cannot be page-locked, or the checksum needs
+        the host (crc32, a size not a multiple of 8 bytes), through a pinned bounce buffer.
+        """
         if src.device.type == "cpu":
             write_tensor(dst, src, ck)
             return
         flat = src.reshape(-1).view(torch.uint8)
         n = flat.numel()
+        if (self.pin_store and ck.algo == "sum64" and n % 8 == 0 and flat.data_ptr() % 8 == 0
+                and vf.pin(read_only=False)):
+            dst[:n].copy_(flat)  # synchronous: the bytes are in the store when it returns
+            dst[n:].zero_()  # padding of a recycled file holds old bytes; zeros add nothing to sum64
+            ck.update(flat)
+            return
         size = min(self.bucket_bytes, max(n, 8)) // 8 * 8 or 8
         if self._bounce is None or self._bounce.numel() < size:
             self._bounce = torch.empty(size, dtype=torch.uint8, pin_memory=True)

@@ -9,6 +9,11 @@ and reused for the next version (its pages are already allocated and mapped: fre
 pages cost one fault per 4 KiB, ~0.25 s/GB here); a reader still mapping it would see new
 bytes, fail the checksum, find the manifest gone and report the version as gone.
 
+A subscriber keeps its read-only mappings in a :class:`ReaderCache` keyed by inode: a
+recycled file keeps its inode, so the next fetch of that file reuses the mapping (no new
+``mmap`` + ``MAP_POPULATE`` of every page, no new CUDA registration) and reads the current
+bytes through it.
+
 Shared-memory pages count as ``RssShmem``, not as the publisher's anonymous memory: the
 store is the data plane's buffer (one per kept version), not a second model copy in the
 learner.
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from streamrl.weights import pinning
 
 
 def shm_dir() -> Path:
@@ -34,9 +40,11 @@ class VersionFile:
     ``buf`` is a uint8 tensor [total_bytes] over the mapping.
     """
 
-    def __init__(self, path: Path, total: int, writable: bool):
+    def __init__(self, path: Path, total: int, writable: bool, fd: int | None = None):
+        """``fd``: an open read-only descriptor of ``path`` to map (the caller keeps it)."""
         self.path = path
         self.total = total
+        self.pinned = False
         size = max(total, 1)
         if writable:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -46,7 +54,8 @@ class VersionFile:
             finally:
                 os.close(fd)
         else:
-            fd = os.open(path, os.O_RDONLY)
+            own = fd is None
+            fd = os.open(path, os.O_RDONLY) if own else fd
             try:
                 got = os.fstat(fd).st_size
                 if got < total:
@@ -55,7 +64,8 @@ class VersionFile:
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
             finally:
-                os.close(fd)
+                if own:
+                    os.close(fd)
         # torch warns that a read-only buffer is not writable; views are documented read-only.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -66,6 +76,17 @@ class VersionFile:
 
     def memoryview(self, offset: int, nbytes: int) -> memoryview:
         return memoryview(self._mm)[offset: offset + nbytes]
+
+    def pin(self, read_only: bool) -> bool:
+        """Page-lock the mapping for CUDA copies (once; see :mod:`streamrl.weights.pinning`)."""
+        if not self.pinned:
+            self.pinned = pinning.register(self.buf, read_only=read_only)
+        return self.pinned
+
+    def unpin(self) -> None:
+        if self.pinned:
+            pinning.unregister(self.buf)
+            self.pinned = False
 
 
 class ShmStore:
@@ -95,6 +116,7 @@ class ShmStore:
             vf = spare
         else:
             if spare is not None:
+                spare.unpin()
                 spare.path.unlink(missing_ok=True)
             vf = VersionFile(self.path(version), total, writable=True)
         self.files[version] = vf
@@ -116,6 +138,7 @@ class ShmStore:
                 vf.path = spare_path
                 self._spare = vf
             else:
+                vf.unpin()
                 vf.path.unlink(missing_ok=True)
 
     def gc(self) -> list[int]:
@@ -126,5 +149,66 @@ class ShmStore:
     def close(self) -> None:
         self.drop(list(self.files), recycle=False)
         if self._spare is not None:
+            self._spare.unpin()
             self._spare.path.unlink(missing_ok=True)
             self._spare = None
+
+
+class ReaderCache:
+    """Subscriber-side read-only mappings of version files, reused across fetches.
+
+    Keyed by ``(st_dev, st_ino)``: the publisher recycles a collected version's file by
+    renaming it, so the same inode comes back under the next version's name with new bytes,
+    which the cached shared mapping shows as they are written. While a mapping is cached its
+    file stays allocated, so its inode number cannot be reused by another file. Entries whose
+    file was unlinked (``st_nlink == 0``) are dropped at the next :meth:`open`, the oldest
+    beyond ``capacity``.
+    """
+
+    def __init__(self, capacity: int = 4, pin_cuda: bool = False):
+        if capacity < 1:
+            raise ValueError(f"reader cache capacity = {capacity}: must be >= 1")
+        self.capacity, self.pin_cuda = capacity, pin_cuda
+        self._files: dict[tuple[int, int], tuple[int, VersionFile]] = {}  # key -> (fd, mapping)
+
+    def open(self, path: str | Path, total: int) -> VersionFile:
+        """A mapping of ``path`` covering ``total`` bytes; raises FileNotFoundError if the file
+        is gone or shorter than ``total`` (a version being recycled)."""
+        fd = os.open(path, os.O_RDONLY)
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        hit = self._files.pop(key, None)
+        if hit is not None and hit[1].total == total:
+            os.close(fd)
+            self._files[key] = hit  # most recently used last
+            hit[1].path = Path(path)
+            return hit[1]
+        if hit is not None:
+            self._release(*hit)
+        try:
+            vf = VersionFile(Path(path), total, writable=False, fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.pin_cuda:
+            vf.pin(read_only=True)
+        self._files[key] = (fd, vf)  # the open descriptor keeps st_nlink observable
+        self._evict()
+        return vf
+
+    def _evict(self) -> None:
+        for key, (fd, vf) in list(self._files.items()):
+            if os.fstat(fd).st_nlink == 0:
+                self._release(*self._files.pop(key))
+        while len(self._files) > self.capacity:
+            self._release(*self._files.pop(next(iter(self._files))))
+
+    @staticmethod
+    def _release(fd: int, vf: VersionFile) -> None:
+        vf.unpin()
+        os.close(fd)
+
+    def close(self) -> None:
+        for fd, vf in self._files.values():
+            self._release(fd, vf)
+        self._files.clear()

@@ -26,7 +26,7 @@ import torch
 from streamrl.coord.coordinator import Coordinator
 from streamrl.weights.layout import ChecksumError, Layout, checksum_region
 from streamrl.weights.publisher import host_id
-from streamrl.weights.store import VersionFile
+from streamrl.weights.store import ReaderCache
 from streamrl.weights.zmq_plane import BucketClient
 
 SUB_PLANES = ("auto", "shm", "zmq")
@@ -36,7 +36,10 @@ def _as_tensor(buf: memoryview) -> torch.Tensor:
     with warnings.catch_warnings():  # received buffers are read-only; views are documented so
         warnings.simplefilter("ignore")
         t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
-    if t.data_ptr() % 64:  # typed views need aligned storage; libzmq's large buffers are
+    # libzmq's large buffers start 8 bytes short of a 64-byte line: views and copies from
+    # them are exact on x86/ARM (unaligned vector loads), so only a misaligned word (never
+    # seen) is worth a copy of the whole bucket; sum64 reads int64 words.
+    if t.data_ptr() % 8:
         t = t.clone()
     return t
 
@@ -45,7 +48,10 @@ class WeightSubscriber:
     """Fetch verified versions for one rollout worker."""
 
     def __init__(self, coord: Coordinator, plane: str = "auto", streams: int = 2, retries: int = 2,
-                 timeout_s: float = 120.0, collective_rank: int | None = None, device: str = "cpu"):
+                 timeout_s: float = 120.0, collective_rank: int | None = None, device: str = "cpu",
+                 pin_store: bool | None = None):
+        """``device``: where the engine's weights live; with a CUDA device (or ``pin_store``)
+        same-host store mappings are page-locked so the engine's load is a DMA from them."""
         if plane not in SUB_PLANES:
             raise ValueError(f"weights subscriber plane {plane!r} is unknown; choose one of {SUB_PLANES}")
         self.coord, self.plane, self.streams = coord, plane, streams
@@ -57,6 +63,10 @@ class WeightSubscriber:
         self._client: BucketClient | None = None
         self._receiver = None
         self._collective_rank, self._device = collective_rank, device
+        # Same-host mappings, reused while the publisher recycles its files; page-locked for
+        # a GPU engine so its load is a DMA straight from the store.
+        pin = str(device).startswith("cuda") if pin_store is None else pin_store
+        self._readers = ReaderCache(pin_cuda=pin)
 
     # -- discovery ---------------------------------------------------------------------
     def newer_version(self, include_pending: bool = False) -> int | None:
@@ -88,7 +98,7 @@ class WeightSubscriber:
         use_shm = self.plane == "shm" or (self.plane == "auto" and manifest.get("host") == self.host)
         if use_shm:
             try:
-                vf = VersionFile(manifest["path"], layout.total_bytes, writable=False)
+                vf = self._readers.open(manifest["path"], layout.total_bytes)
             except FileNotFoundError:
                 return None
         else:
@@ -193,6 +203,7 @@ class WeightSubscriber:
         self.coord.ack(worker_id, version)
 
     def close(self) -> None:
+        self._readers.close()
         if self._client is not None:
             self._client.close()
         if self._receiver is not None:
