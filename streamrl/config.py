@@ -140,6 +140,8 @@ class RolloutConfig:
     """After each weight update score this many fixed probes in engine and HF model (0 = off)."""
     inflight_updates: bool = False
     """Load newer weights between decode steps of a batch (per-token versions); hf_fast, vllm only."""
+    token_rewards: bool = False
+    """Send per-token rewards (trajectory key token_rewards) from tasks' character credit; see learner.advantage."""
 
     def validate(self, p: str) -> None:
         _check(self.engine in ("hf", "hf_fast", "vllm"), f"{p}.engine", self.engine,
@@ -238,6 +240,8 @@ class LearnerConfig:
     """loss = vtrace: truncation rho_bar of the importance weight in the TD errors and advantages."""
     vtrace_c_bar: float = 1.0
     """loss = vtrace: truncation c_bar of the trace-cutting coefficients."""
+    advantage: str = "sequence"
+    """Advantages: sequence (GRPO, one per trajectory) or token (group-relative reward-to-go; needs rollout.token_rewards)."""
 
     def validate(self, p: str) -> None:
         _check(self.lr > 0, f"{p}.lr", self.lr, "must be > 0")
@@ -270,6 +274,11 @@ class LearnerConfig:
         _check(0 < self.gamma <= 1, f"{p}.gamma", self.gamma, "must be in (0, 1]")
         _check(self.vtrace_rho_bar > 0, f"{p}.vtrace_rho_bar", self.vtrace_rho_bar, "must be > 0")
         _check(self.vtrace_c_bar > 0, f"{p}.vtrace_c_bar", self.vtrace_c_bar, "must be > 0")
+        _check(self.advantage in ("sequence", "token"), f"{p}.advantage", self.advantage,
+               "must be sequence or token")
+        _check(self.advantage == "sequence" or self.loss not in ("gspo", "vtrace"), f"{p}.advantage",
+               self.advantage, f"token advantages need a token-level loss, not learner.loss = {self.loss!r} "
+               "(gspo weighs whole sequences; vtrace computes its own)")
 
 
 @dataclass

@@ -8,6 +8,16 @@ hook ``package.module:factory`` called once as ``factory(device)``; it returns a
 ``(prompts: list[str], responses: list[str]) -> list[float]`` scored batch-wise, so a
 learned reward model can live on its own device.
 
+Token-level credit (``rollout.token_rewards``): a reward function may carry credit per
+response character, ``token_credit(problem, response) -> list[float]`` summing to its score
+(the task's method for the name ``task``; a ``token_credit`` attribute on a plug-in function).
+:meth:`CombinedReward.credits` spreads each trajectory's total reward into such character
+credits plus a *terminal* remainder (components without credit, the reward model, rounding),
+and :func:`token_rewards` maps them onto the sampled tokens: a character's credit goes to the
+token whose decoded text holds it, the terminal remainder to the last response token (the EOS
+when there is one). So ``sum(token_rewards) == reward`` for every trajectory, and a reward with
+no character credit at all lands entirely on the last token.
+
 Examples:
     >>> from streamrl.tasks.registry import Problem
     >>> fn = build_reward("exact_answer=1.0,format=0.5")
@@ -113,6 +123,8 @@ class CombinedReward:
     fns: list[RewardFn]
     model: Callable[[list[str], list[str]], list[float]] | None = None
     model_weight: float = 1.0
+    credit_fns: list[Callable[[Problem, str], list[float]] | None] | None = None
+    """Per-component character-credit functions (None where a component has none)."""
 
     def score(self, problems: list[Problem], responses: list[str]) -> tuple[list[float], list[list[float]]]:
         """Returns ``(total [B], components [B][C])``; components follow ``names`` (+ ``reward_model``)."""
@@ -126,16 +138,45 @@ class CombinedReward:
         ws = self.weights + ([self.model_weight] if self.model is not None else [])
         return [sum(w * c for w, c in zip(ws, row)) for row in comps], comps
 
+    def credits(self, problems: list[Problem], responses: list[str], totals: list[float]
+                ) -> tuple[list[list[float]], list[float]]:
+        """Spread each total reward into character credits and a terminal remainder.
+
+        Args:
+            problems, responses: as given to :meth:`score` ([B] each).
+            totals: [B] the totals :meth:`score` returned for them.
+        Returns:
+            ``(char_credit [B][len(response_i)], terminal [B])`` with
+            ``sum(char_credit[i]) + terminal[i] == totals[i]`` (the remainder absorbs
+            components without credit, the reward model and float rounding).
+        """
+        credit_fns = self.credit_fns or [None] * len(self.fns)
+        chars, terminal = [], []
+        for p, r, total in zip(problems, responses, totals):
+            row = [0.0] * len(r)
+            for w, fn in zip(self.weights, credit_fns):
+                if fn is None or w == 0:
+                    continue
+                c = fn(p, r)
+                if len(c) != len(r):
+                    raise RuntimeError(f"token_credit returned {len(c)} credits for a response of {len(r)} characters")
+                for j, x in enumerate(c):
+                    row[j] += w * float(x)
+            chars.append(row)
+            terminal.append(float(total) - sum(row))
+        return chars, terminal
+
 
 def build_reward(spec: str = "task", task=None, reward_model: str = "", reward_model_device: str = "cpu",
                  reward_model_weight: float = 1.0) -> CombinedReward:
     """Resolve a reward spec (see module doc); ``task`` is needed for the name ``task``."""
-    names, weights, fns = [], [], []
+    names, weights, fns, credit_fns = [], [], [], []
     for name, w in parse_reward_spec(spec):
         if name == "task":
             if task is None:
                 raise RewardSpecError("rollout.rewards names 'task' but no task was given")
             fn = task.reward
+            credit_fns.append(getattr(task, "token_credit", None))
         elif name in _REGISTRY:
             fn = _REGISTRY[name]
         elif ":" in name:
@@ -143,6 +184,8 @@ def build_reward(spec: str = "task", task=None, reward_model: str = "", reward_m
         else:
             raise RewardSpecError(f"rollout.rewards names {name!r}: unknown; known {available_rewards()} "
                                   "or 'package.module:function'")
+        if name != "task":
+            credit_fns.append(getattr(fn, "token_credit", None))
         names.append(name)
         weights.append(w)
         fns.append(fn)
@@ -150,4 +193,48 @@ def build_reward(spec: str = "task", task=None, reward_model: str = "", reward_m
     if reward_model:
         model = _import(reward_model, "rollout.reward_model")(reward_model_device)
         names.append("reward_model")
-    return CombinedReward(names, weights, fns, model, reward_model_weight)
+    return CombinedReward(names, weights, fns, model, reward_model_weight, credit_fns)
+
+
+def decoded_prefix_lengths(tok, ids: list[int]) -> list[int]:
+    """``[len(decode(ids[:k + 1]))]`` for every k (special tokens skipped): where each token's
+    text ends in the decoded response.
+
+    Decoding prefixes (rather than tokens one by one) is what stays right for byte-level BPE
+    (a character split over tokens appears once complete) and SentencePiece (a leading space
+    shows only mid-text). Cost: O(n^2) characters decoded per response of n tokens, in the
+    tokenizer's native batch decode; only paid for responses that carry character credit.
+    """
+    texts = tok.batch_decode([ids[: k + 1] for k in range(len(ids))], skip_special_tokens=True)
+    return [len(t) for t in texts]
+
+
+def token_rewards(tok, ids: list[int], char_credit: list[float], terminal: float) -> list[float]:
+    """Map one response's character credits and terminal remainder onto its tokens.
+
+    Args:
+        tok: the tokenizer that decoded ``ids`` (with ``skip_special_tokens=True``) into the
+            text the credits index.
+        ids: [n] sampled response token ids.
+        char_credit: credit per character of the decoded response text.
+        terminal: the remainder; goes to the first EOS token, else the last token.
+    Returns:
+        [n] per-token rewards summing to ``sum(char_credit) + terminal``. A character's credit
+        goes to the first token whose decoded prefix covers it; special tokens (and anything
+        after the EOS) decode to nothing and get 0 besides the terminal remainder.
+    """
+    n = len(ids)
+    out = [0.0] * n
+    if n == 0:
+        return out
+    eos = getattr(tok, "eos_token_id", None)
+    last = ids.index(eos) if eos is not None and eos in ids else n - 1
+    if any(char_credit):
+        ends = decoded_prefix_lengths(tok, ids)
+        k = 0
+        for c_idx, c in enumerate(char_credit):
+            while k < n and ends[k] <= c_idx:  # first token whose decoded prefix covers c_idx
+                k += 1
+            out[min(k, last)] += c
+    out[last] += terminal
+    return out

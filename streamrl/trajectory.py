@@ -38,6 +38,9 @@ routed_experts         int16       [R, L, k]              expert ids the router 
                                                           each response token (input position
                                                           p+j-1 for token j): routing replay;
                                                           L layers, top-k
+token_rewards          float32     [R]                    reward credited to each response token
+                                                          (``rollout.token_rewards``); sums to
+                                                          ``reward`` per trajectory
 =====================  ==========  =====================  ========================================
 
 ``policy_version`` is per token because weights can change in the middle of a generation
@@ -81,6 +84,7 @@ OPTIONAL_FIELDS: dict[str, tuple[torch.dtype, int, str]] = {
     "started_at": (torch.float64, 1, "traj"),
     "reward_components": (torch.float32, 2, "traj"),
     "routed_experts": (torch.int16, 3, "response"),
+    "token_rewards": (torch.float32, 1, "response"),
 }
 ALL_FIELDS = {**FIELDS, **OPTIONAL_FIELDS}
 TORCHRL_KEYS: dict[str, tuple[str, str]] = {
@@ -149,7 +153,7 @@ def validate_trajectories(td: TensorDict | Mapping[str, torch.Tensor], *, max_ve
                                   f"with first dim {n[axis]} and trailing dims >= 1")
     # Value checks: one min/max pass per tensor (NaN propagates through aminmax, so a
     # non-finite min or max catches NaN and +-inf) instead of a boolean temporary per rule.
-    for key in ("behaviour_logprobs", "reward", "created_at", "started_at", "reward_components"):
+    for key in ("behaviour_logprobs", "reward", "created_at", "started_at", "reward_components", "token_rewards"):
         if key in keys:
             lo, hi = _minmax(td[key])
             if not (math.isfinite(lo) and math.isfinite(hi)):
@@ -193,12 +197,14 @@ def pack_trajectories(
     response_masks: list[list[bool]] | None = None,
     reward_components: list[list[float]] | None = None,
     routed_experts: list[torch.Tensor] | None = None,
+    token_rewards: list[list[float]] | None = None,
 ) -> TensorDict:
     """Build a packed trajectory batch from per-trajectory Python lists.
 
     Optional fields are added when given: ``started_at`` (one time for all or one per
     trajectory), ``response_masks`` (default all True), ``reward_components`` ([B][C]) and
-    ``routed_experts`` (one int tensor ``[len(response_i), L, k]`` per trajectory).
+    ``routed_experts`` (one int tensor ``[len(response_i), L, k]`` per trajectory) and
+    ``token_rewards`` (one list of ``len(response_i)`` floats per trajectory).
     """
     b = len(prompts)
     n_resp = sum(len(r) for r in responses)
@@ -224,6 +230,8 @@ def pack_trajectories(
         out["reward_components"] = torch.tensor(reward_components, dtype=torch.float32).reshape(b, -1)
     if routed_experts is not None:
         out["routed_experts"] = torch.cat([torch.as_tensor(r).to(torch.int16) for r in routed_experts])
+    if token_rewards is not None:
+        out["token_rewards"] = torch.tensor([x for tr in token_rewards for x in tr], dtype=torch.float32)
     return TensorDict(out, batch_size=[])
 
 
@@ -279,6 +287,10 @@ def to_padded(td: TensorDict, pad_id: int) -> dict[str, torch.Tensor]:
         reward: [B], group_id: [B]
         routed_experts: [B, T-1, L, k] int64 experts of the token at t+1 (-1 elsewhere);
             only when the batch carries ``routed_experts``
+        token_rewards: [B, T-1] float32 reward credited to the token at t+1 (0 elsewhere);
+            only when the batch carries ``token_rewards``
+        response_positions: [B, T-1] bool, True where t predicts a response token (whether
+            or not it is in the loss); only with ``token_rewards``
     """
     p_lens, r_lens = td["prompt_lens"].tolist(), td["response_lens"].tolist()
     b = len(p_lens)
@@ -291,6 +303,9 @@ def to_padded(td: TensorDict, pad_id: int) -> dict[str, torch.Tensor]:
     routed = td.get("routed_experts", None)
     experts = (torch.full((b, t_max - 1, *routed.shape[1:]), -1, dtype=torch.int64)
                if routed is not None else None)
+    tok_r = td.get("token_rewards", None)
+    tok_rewards = torch.zeros((b, t_max - 1), dtype=torch.float32) if tok_r is not None else None
+    resp_pos = torch.zeros((b, t_max - 1), dtype=torch.bool) if tok_r is not None else None
     po = ro = 0
     for i, (p, r) in enumerate(zip(p_lens, r_lens)):
         input_ids[i, :p] = td["prompt_tokens"][po : po + p]
@@ -302,6 +317,9 @@ def to_padded(td: TensorDict, pad_id: int) -> dict[str, torch.Tensor]:
         ver[i, p - 1 : p - 1 + r] = td["policy_version"][ro : ro + r]
         if experts is not None:
             experts[i, p - 1 : p - 1 + r] = routed[ro : ro + r]
+        if tok_rewards is not None:
+            tok_rewards[i, p - 1 : p - 1 + r] = tok_r[ro : ro + r]
+            resp_pos[i, p - 1 : p - 1 + r] = True
         po, ro = po + p, ro + r
     out = {
         "input_ids": input_ids,
@@ -314,6 +332,9 @@ def to_padded(td: TensorDict, pad_id: int) -> dict[str, torch.Tensor]:
     }
     if experts is not None:
         out["routed_experts"] = experts
+    if tok_rewards is not None:
+        out["token_rewards"] = tok_rewards
+        out["response_positions"] = resp_pos
     return out
 
 

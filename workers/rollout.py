@@ -34,7 +34,7 @@ from streamrl.engines.factory import build_engine
 from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.metrics import RateLimitedRedisSink
 from streamrl.models.factory import load_model_and_tokenizer
-from streamrl.rewards import build_reward
+from streamrl.rewards import build_reward, token_rewards
 from streamrl.tasks import get_task
 from streamrl.tasks.sources import prompt_source
 from streamrl.trajectory import make_id, pack_trajectories
@@ -107,7 +107,9 @@ class BatchRoller:
                 group_ids.append(gid)
                 traj_ids.append(self._next_id())
         versions = gen.versions if gen.versions is not None else [[version] * len(t) for t in gen.tokens]
-        optional = {"started_at": started, "reward_components": components, "routed_experts": gen.routed_experts}
+        optional = {"started_at": started, "reward_components": components, "routed_experts": gen.routed_experts,
+                    "token_rewards": self._token_rewards(flat_problems, texts, gen.tokens, rewards)
+                    if rc.token_rewards else None}
         # optional trajectory fields as far as this checkout's trajectory contract knows them
         optional = {k: v for k, v in optional.items() if k in _PACK_PARAMS and v is not None}
         td = pack_trajectories(flat_prompts, gen.tokens, gen.logprobs, versions, rewards, group_ids, traj_ids,
@@ -115,6 +117,12 @@ class BatchRoller:
         if gen.routed_experts is not None and "routed_experts" not in optional:
             td["routed_experts"] = torch.cat(gen.routed_experts).to(torch.int16)  # [sum_resp, L, k]
         return td
+
+    def _token_rewards(self, problems, texts, tokens, rewards) -> list[list[float]]:
+        """Per-token rewards (``rollout.token_rewards``): the rewards' character credit mapped
+        onto the sampled tokens, the rest of each reward on the last token (see streamrl.rewards)."""
+        chars, terminal = self.reward.credits(problems, texts, rewards)
+        return [token_rewards(self.tok, list(ids), c, t) for ids, c, t in zip(tokens, chars, terminal)]
 
 
 _PACK_PARAMS = set(inspect.signature(pack_trajectories).parameters)

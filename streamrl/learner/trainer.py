@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 
-from streamrl.algorithms.advantages import group_advantages
+from streamrl.algorithms.advantages import group_advantages, token_group_advantages
 from streamrl.algorithms.moe_losses import load_balancing_loss, router_z_loss
 from streamrl.algorithms.regularizers import token_entropy
-from streamrl.config import Config
+from streamrl.config import Config, ConfigError
 from streamrl.learner.critic import (attach_value_head, critic_metrics, critic_targets, is_critic_param,
                                      response_mdp, value_head, value_loss)
 from streamrl.learner.moe_router import RouterController, router_metrics
@@ -105,6 +105,9 @@ class Trainer:
 
         self.cfg = cfg
         lc = cfg.learner
+        if lc.advantage == "token" and not cfg.rollout.token_rewards:
+            raise ConfigError("config field 'learner.advantage' = 'token': needs rollout.token_rewards = true "
+                              "(the per-token rewards it is computed from)")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         # Same seed on every rank: identical initial weights before sharding.
@@ -176,7 +179,7 @@ class Trainer:
         padded = to_padded(batch, self.pad_id)
         b_all, t_all = padded["input_ids"].shape
         replay = padded_routed_experts(batch, t_all, len(self.blocks)) if (lc.routing_replay and self.blocks) else None
-        adv = group_advantages(padded["reward"], padded["group_id"], normalize_std=lc.adv_std_norm)
+        adv = self._advantages(padded)
         if self.critic:  # per-token MDP of each response; group advantages are not used
             padded["tok_reward"], padded["tok_done"], padded["resp"] = response_mdp(
                 batch["prompt_lens"].tolist(), batch["response_lens"].tolist(), padded["reward"], t_all - 1)
@@ -202,7 +205,8 @@ class Trainer:
         metrics = {
             **agg,
             "learner/reward_mean": float(padded["reward"].mean()),
-            "learner/advantage_abs_mean": float(adv.abs().mean()),
+            "learner/advantage_abs_mean": (float(adv.abs().mean()) if adv.ndim == 1 else
+                                           float((adv.abs() * padded["loss_mask"]).sum() / padded["loss_mask"].sum().clamp(min=1))),
             "learner/trained_tokens": float(padded["loss_mask"].sum()),
             "learner/trajectories": float(b_all),
             "learner/compute_s": time.perf_counter() - t0,
@@ -210,6 +214,23 @@ class Trainer:
         if self.blocks:
             metrics["moe/router_frozen"] = float(self.router.frozen)
         return metrics
+
+    def _advantages(self, padded: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B] GRPO advantages (``learner.advantage = sequence``) or [B, T-1] per-token
+        group-relative reward-to-go on the training grid (``token``).
+
+        A ``token`` learner fails on a batch without ``token_rewards`` rather than falling back
+        to sequence advantages: a silent fallback would make a token-credit run a GRPO run
+        without saying so (every worker shares the config, so this means a broken producer).
+        """
+        lc = self.cfg.learner
+        if lc.advantage == "token":
+            if "token_rewards" not in padded:
+                raise ValueError("learner.advantage = 'token' got a batch without token_rewards; "
+                                 "run the rollout workers with rollout.token_rewards = true")
+            return token_group_advantages(padded["token_rewards"], padded["response_positions"], padded["group_id"],
+                                          normalize_std=lc.adv_std_norm)
+        return group_advantages(padded["reward"], padded["group_id"], normalize_std=lc.adv_std_norm)
 
     def _rank_rows(self, mb: list[int]) -> list[int]:
         sl = self.my_slice(len(mb))

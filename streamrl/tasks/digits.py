@@ -26,6 +26,34 @@ def positional_score(answer: str, response: str) -> float:
     return hits / max(len(answer), len(response), 1)
 
 
+def position_credit(answer: str, response: str, weight_pos: float = 0.8, weight_fmt: float = 0.2) -> list[float]:
+    """Per-character credit of the raw ``response`` summing to the digit reward.
+
+    Mirrors :func:`positional_score` and :func:`format_score` on the stripped response: the
+    stripped character ``j`` earns ``weight_pos / n`` when it equals ``answer[j]`` and
+    ``weight_fmt / n`` when it is a digit within the answer's length (``n`` is their common
+    denominator). Leading/trailing whitespace and extra characters earn 0 (they only count
+    through ``n``).
+
+    Returns:
+        one float per character of ``response`` (not of the stripped text).
+
+    Examples:
+        >>> position_credit("12", " 13")
+        [0.0, 0.5, 0.1]
+    """
+    credit = [0.0] * len(response)
+    stripped = response.strip()
+    lead = len(response) - len(response.lstrip())
+    n = max(len(answer), len(stripped), 1)
+    for j, ch in enumerate(stripped[: len(answer)]):
+        c = weight_pos / n if ch == answer[j] else 0.0
+        if ch.isdigit():
+            c += weight_fmt / n
+        credit[lead + j] = c
+    return credit
+
+
 def format_score(answer: str, response: str) -> float:
     """Fraction of the expected length filled with digits; extra characters count against.
 
@@ -54,6 +82,14 @@ class _DigitTask:
         any position is right by chance (1/vocab per position).
         """
         return 0.8 * positional_score(problem.answer, response) + 0.2 * format_score(problem.answer, response)
+
+    def token_credit(self, problem: Problem, response: str) -> list[float]:
+        """The reward spread over the response's characters (see :func:`position_credit`).
+
+        Sums to :meth:`reward` (up to float rounding): position ``j`` right -> ``0.8 / n`` at
+        character ``j``, a digit there -> ``0.2 / n``; used by ``rollout.token_rewards``.
+        """
+        return position_credit(problem.answer, response)
 
 
 @register_task("copy_digits")

@@ -27,6 +27,12 @@ class Task(Protocol):
     def reward(self, problem: Problem, response: str) -> float:
         """Score a decoded response in [0, 1]."""
 
+    # Optional (not part of the protocol's required surface):
+    # ``token_credit(problem, response) -> list[float]``, one credit per character of
+    # ``response`` summing to ``reward(problem, response)``. Tasks that define it let
+    # ``rollout.token_rewards`` place reward on the tokens that earned it; the others get
+    # their scalar reward on the last response token.
+
 
 _REGISTRY: dict[str, Callable[..., Task]] = {}
 
