@@ -44,7 +44,9 @@ def test_digit_credit_sums_to_the_scalar_reward(name):
         r = _random_response(rng, p.answer)
         credit = task.token_credit(p, r)
         assert len(credit) == len(r)
-        assert all(c >= 0 for c in credit)
+        lead = len(r) - len(r.lstrip())
+        cut = lead + len(p.answer)  # characters past the answer's length carry the length penalty
+        assert all(c >= 0 for c in credit[:cut]) and all(c <= 0 for c in credit[cut:])
         assert math.isclose(sum(credit), task.reward(p, r), rel_tol=0, abs_tol=1e-12), (p, r)
 
 
@@ -55,6 +57,8 @@ def test_digit_credit_sits_on_the_characters_that_earned_it():
     assert task.token_credit(p, " 1x34") == pytest.approx([0.0, 0.25, 0.0, 0.25, 0.25])
     # a wrong digit earns only the format share 0.2 / 4
     assert task.token_credit(p, "1299") == pytest.approx([0.25, 0.25, 0.05, 0.05])
+    # too long: reward 1.0 * 4/6; the 1/3 shortfall sits on the two extra characters
+    assert task.token_credit(p, "123456") == pytest.approx([0.25] * 4 + [-1 / 6] * 2)
 
 
 # --- rewards -> tokens --------------------------------------------------------------------

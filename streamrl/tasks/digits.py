@@ -29,28 +29,42 @@ def positional_score(answer: str, response: str) -> float:
 def position_credit(answer: str, response: str, weight_pos: float = 0.8, weight_fmt: float = 0.2) -> list[float]:
     """Per-character credit of the raw ``response`` summing to the digit reward.
 
-    Mirrors :func:`positional_score` and :func:`format_score` on the stripped response: the
-    stripped character ``j`` earns ``weight_pos / n`` when it equals ``answer[j]`` and
-    ``weight_fmt / n`` when it is a digit within the answer's length (``n`` is their common
-    denominator). Leading/trailing whitespace and extra characters earn 0 (they only count
-    through ``n``).
+    Mirrors :func:`positional_score` and :func:`format_score` on the stripped response, with
+    the length penalty given to the characters that caused it:
+
+    * stripped character ``j < len(answer)`` earns ``weight_pos / len(answer)`` when it equals
+      ``answer[j]`` plus ``weight_fmt / len(answer)`` when it is a digit;
+    * when the response is longer than the answer, the reward divides by the longer length
+      instead; that shortfall (negative) is spread evenly over the extra characters, so the
+      credit for "stop here" sits on the characters that did not stop;
+    * surrounding whitespace earns 0.
 
     Returns:
-        one float per character of ``response`` (not of the stripped text).
+        one float per character of ``response`` (not of the stripped text); the sum equals
+        ``weight_pos * positional_score + weight_fmt * format_score`` up to float rounding.
 
     Examples:
         >>> position_credit("12", " 13")
         [0.0, 0.5, 0.1]
+        >>> [round(c, 3) for c in position_credit("12", "123")]   # reward (0.8*2 + 0.2*2) / 3
+        [0.5, 0.5, -0.333]
     """
     credit = [0.0] * len(response)
     stripped = response.strip()
     lead = len(response) - len(response.lstrip())
-    n = max(len(answer), len(stripped), 1)
+    n_ans = max(len(answer), 1)
+    earned = 0.0
     for j, ch in enumerate(stripped[: len(answer)]):
-        c = weight_pos / n if ch == answer[j] else 0.0
+        c = weight_pos / n_ans if ch == answer[j] else 0.0
         if ch.isdigit():
-            c += weight_fmt / n
+            c += weight_fmt / n_ans
         credit[lead + j] = c
+        earned += c
+    extra = len(stripped) - len(answer)
+    if extra > 0:
+        total = (weight_pos * positional_score(answer, response) + weight_fmt * format_score(answer, response))
+        for j in range(len(answer), len(stripped)):
+            credit[lead + j] = (total - earned) / extra
     return credit
 
 
@@ -87,7 +101,8 @@ class _DigitTask:
         """The reward spread over the response's characters (see :func:`position_credit`).
 
         Sums to :meth:`reward` (up to float rounding): position ``j`` right -> ``0.8 / n`` at
-        character ``j``, a digit there -> ``0.2 / n``; used by ``rollout.token_rewards``.
+        character ``j``, a digit there -> ``0.2 / n`` (``n`` digits in the answer), the
+        penalty of a too-long response on its extra characters; used by ``rollout.token_rewards``.
         """
         return position_credit(problem.answer, response)
 
