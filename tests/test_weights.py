@@ -321,3 +321,90 @@ def test_factory_from_config(redis_url, run_id):
         sub.close()
     finally:
         pub.close()
+
+
+# -- fast paths: reused mappings, in-place zmq frames, page-locked store --------------------
+@pytest.mark.timeout(60)
+def test_reused_mapping_sees_recycled_bytes_and_catches_corruption(redis_url, run_id):
+    """The subscriber keeps its mapping of a store file across versions (the publisher
+    recycles the file under a new name); every fetch still sees the current bytes, and a
+    byte flipped in the recycled file is caught, never loaded."""
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=8192, keep=1)
+    sub = WeightSubscriber(coord, plane="shm")
+    try:
+        seen = set()
+        for v in range(4):  # keep=1: from v2 on, each version reuses the spare file
+            pub.publish(v, SPECS, iter(make_tensors(50 + v)))
+            check_equal(sub.fetch(v), make_tensors(50 + v))
+            seen.add(id(sub._readers.open(coord.manifest(v)["path"], coord.manifest(v)["total_bytes"])))
+        assert len(seen) == 2 and len(sub._readers._files) <= 2  # two files, mapped once each
+        pub.publish(4, SPECS, iter(make_tensors(54)))
+        m = coord.manifest(4)
+        with open(m["path"], "r+b") as f:
+            f.seek(m["buckets"][-1]["offset"] + 5)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x01]))
+        engine = _Engine()
+        with pytest.raises(ChecksumError):
+            sub.load(engine, 1, 4)
+        assert engine.loads == 0 and sub.loaded_version == -1
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_reader_cache_drops_unlinked_files(tmp_path):
+    from streamrl.weights.store import ReaderCache
+
+    cache = ReaderCache(capacity=2)
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"f{i}.bin"
+        p.write_bytes(bytes([i]) * 4096)
+        paths.append(p)
+    a = cache.open(paths[0], 4096)
+    assert cache.open(paths[0], 4096) is a and int(a.buf[0]) == 0
+    paths[0].unlink()
+    cache.open(paths[1], 4096)
+    assert len(cache._files) == 1  # the unlinked file's mapping was released
+    cache.open(paths[2], 4096)
+    cache.open(paths[0].with_name("f1.bin"), 4096)
+    assert len(cache._files) == 2
+    with pytest.raises(FileNotFoundError):
+        cache.open(paths[2], 8192)  # shorter than the manifest says: a file being recycled
+    cache.close()
+    assert not cache._files
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_cuda_tensors_dma_into_pinned_store(redis_url, run_id):
+    """GPU learner tensors go straight into the page-locked store with a GPU checksum (a
+    66-byte bf16 tensor takes the bounce path); a CUDA subscriber loads them bit-exact, and
+    a flipped byte is still caught."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=8192, keep=1, target="vllm")
+    sub = WeightSubscriber(coord, plane="shm", device="cuda")
+    try:
+        for v in range(3):  # v2 lands in a recycled (already pinned) file
+            tensors = [t.cuda() for t in make_tensors(60 + v)]
+            pub.publish(v, SPECS, iter(tensors))
+            assert pub.store.files[v].pinned
+            got = [(n, t.to("cuda")) for n, t in sub.fetch(v)]
+            check_equal(((n, t.cpu()) for n, t in got), make_tensors(60 + v), "vllm")
+        assert all(fd_vf[1].pinned for fd_vf in sub._readers._files.values())
+        m = coord.manifest(2)
+        with open(m["path"], "r+b") as f:
+            f.seek(m["buckets"][0]["offset"] + 9)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x10]))
+        with pytest.raises(ChecksumError):
+            sub.fetch(2)
+    finally:
+        sub.close()
+        pub.close()

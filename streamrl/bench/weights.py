@@ -12,6 +12,9 @@ gather / write (publisher) / transfer (subscriber fetch wall time, overlapping t
 baseline, sampled every ms; shared-memory store pages are the data plane's, not counted);
 and in the same run, on the same bytes: a plain single-threaded ``memcpy`` and raw ZeroMQ
 (bucket-sized zero-copy messages over TCP loopback to a subprocess, no checksums, no load).
+Every copy runs on one thread unless ``--sub-threads`` gives the subscribers more (the
+baselines stay single-threaded). With a GPU learner / engine the store is page-locked for
+CUDA (``--pin off``: the pageable path, for comparison).
 
 With ``--json`` the last line is one JSON object: ``shm_ratio_vs_memcpy`` and
 ``zmq_ratio_vs_raw_zmq`` (largest size, 1 subscriber: baseline time / end-to-end time),
@@ -186,7 +189,7 @@ def _subscriber(args) -> int:
     from streamrl.coord.coordinator import Coordinator
     from streamrl.weights.subscriber import WeightSubscriber
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.sub_threads)
     coord = Coordinator(args.redis_url, args.run)
     sub = WeightSubscriber(coord, plane=args.plane, streams=args.streams, device=args.device,
                            pin_store=None if args.pin == "on" else False)
@@ -218,7 +221,7 @@ def run_plane(plane: str, sizes_mb: list[int], subs: list[int], args, redis_url:
     procs = [subprocess.Popen([sys.executable, "-m", "streamrl.bench.weights", "--subscriber",
                                "--redis-url", redis_url, "--run", run, "--worker-id", str(w),
                                "--plane", plane, "--streams", str(args.streams), "--device", args.sub_device,
-                               "--pin", args.pin])
+                               "--pin", args.pin, "--sub-threads", str(args.sub_threads)])
              for w in range(1, n_max + 1)]
     rows, version = [], 0
     try:
@@ -309,6 +312,8 @@ def parse_args(argv):
     p.add_argument("--device", default="cpu", help="learner tensors' device: cpu or cuda (D2H + transfer + H2D)")
     p.add_argument("--pin", default="on", choices=["on", "off"],
                    help="page-lock the store for CUDA copies (GPU learner / engine; off = pageable path)")
+    p.add_argument("--sub-threads", type=int, default=1,
+                   help="torch threads of each subscriber (verify + load); baselines stay single-threaded")
     p.add_argument("--max-mem-gb", type=float, default=12.0, help="skip rows estimated to need more memory")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     # internal roles
@@ -339,6 +344,8 @@ def main(argv=None) -> int:
         raise ValueError(f"--sizes {args.sizes!r}: each must be in [1, 4096] MB")
     if not subs or min(subs) < 1 or max(subs) > 8:
         raise ValueError(f"--subscribers {args.subscribers!r}: each must be in [1, 8]")
+    if args.sub_threads < 1:
+        raise ValueError(f"--sub-threads {args.sub_threads}: must be >= 1")
     if set(planes) - {"shm", "zmq"}:
         raise ValueError(f"--planes {args.planes!r}: choose from shm, zmq")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -361,7 +368,7 @@ def main(argv=None) -> int:
         if server is not None:
             server.stop()
     out = {"bench": "weights", "device": args.device, "bucket_mb": args.bucket_mb, "checksum": args.checksum,
-           "rows": rows}
+           "pin": args.pin, "sub_threads": args.sub_threads, "rows": rows}
     for plane, key, base in (("shm", "shm_ratio_vs_memcpy", "ratio_vs_memcpy"),
                              ("zmq", "zmq_ratio_vs_raw_zmq", "ratio_vs_raw_zmq")):
         one = [r for r in rows if r["plane"] == plane and r["subscribers"] == 1]

@@ -97,7 +97,10 @@ class BucketClient:
         if streams < 1 or window < 1:
             raise ValueError(f"weights zmq_streams = {streams} / window = {window}: must be >= 1")
         self.endpoint = endpoint
-        self.ctx = ctx or zmq.Context.instance()
+        # One libzmq I/O thread per stream (up to 4): each thread receives its own socket's
+        # buckets, so on a multi-core host streams really run side by side.
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context(io_threads=min(streams, 4))
         self.window = window
         self.socks = []
         self.poller = zmq.Poller()
@@ -145,3 +148,5 @@ class BucketClient:
     def close(self) -> None:
         for s in self.socks:
             s.close(0)
+        if self._own_ctx:
+            self.ctx.term()
