@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamrl.utils import die_with_parent
+from streamrl.utils import die_with_parent_preexec
 
 # Children (and torchrun's ranks, which read this) ask the kernel for SIGTERM when their parent
 # dies, so a SIGKILLed launcher or torchrun agent leaves no orphans holding ports and devices.
@@ -40,7 +40,7 @@ class ManagedProcess:
         log.flush()
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, DIE_WITH_PARENT_ENV: "1", **self.env},
-                                     start_new_session=True, preexec_fn=die_with_parent)
+                                     start_new_session=True, preexec_fn=die_with_parent_preexec())
         log.close()
 
     @property

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import redis
 
-from streamrl.utils import die_with_parent
+from streamrl.utils import die_with_parent_preexec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,7 +50,7 @@ class RedisServer:
         log = open(self.workdir / "redis.log", "ab")
         # dies with the launcher: a SIGKILLed head must not leave the embedded server running
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=die_with_parent)
+                                     preexec_fn=die_with_parent_preexec())
         deadline = time.monotonic() + timeout_s
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         while time.monotonic() < deadline:

@@ -41,13 +41,26 @@ except (OSError, AttributeError):  # pragma: no cover - not Linux / no libc symb
     _prctl = None
 
 
+def die_with_parent_preexec():
+    """``preexec_fn`` for ``subprocess.Popen``: :func:`die_with_parent` when called on the main thread.
+
+    The kernel ties the request to the *thread* that forked, not the process: a child started
+    from a short-lived thread (a ``threading.Timer``, a pool) would be signalled as soon as that
+    thread ends. Only the main thread lives as long as the process, so only there is it safe.
+    """
+    import threading
+
+    return die_with_parent if threading.current_thread() is threading.main_thread() else None
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     """Have the kernel send ``sig`` to this process when its parent exits (Linux only).
 
     Why: torchrun starts each rank in a session of its own, so killing the agent's process
     group (or the agent being SIGKILLed) leaves the ranks running, holding the port, the GPU
-    and the Redis lease. The parent is the process (thread) that forked us; if it is already
-    gone when we ask, we signal ourselves. Returns False where unsupported.
+    and the Redis lease. The parent is the *thread* that forked us (see
+    :func:`die_with_parent_preexec`); if it is already gone when we ask, we signal ourselves.
+    Returns False where unsupported.
     """
     if _prctl is None:
         return False

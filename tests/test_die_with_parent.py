@@ -135,3 +135,21 @@ def test_torchrun_rank_with_the_env_dies_with_its_agent(tmp_path):
 
 def test_die_with_parent_reports_support():
     assert die_with_parent.__doc__ and isinstance(die_with_parent(0), bool)  # signal 0 clears the request
+
+
+def test_a_child_started_from_a_short_lived_thread_is_not_tied_to_it(tmp_path):
+    # The kernel ties the request to the forking *thread*: a Redis started from a Timer thread
+    # (tests/chaos/test_units.py does that) must not die when the timer thread ends.
+    import threading
+
+    from streamrl.launcher.process import ManagedProcess
+
+    p = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log")
+    t = threading.Thread(target=p.start)
+    t.start()
+    t.join()
+    try:
+        time.sleep(1.0)
+        assert p.alive(), "the child died with the thread that started it"
+    finally:
+        p.stop(grace_s=1)
