@@ -6,7 +6,7 @@ import torch
 
 from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
-from streamrl.parallel.testing import spawn_gloo
+from streamrl.parallel.testing import assert_ranks_match_reference, spawn_gloo
 
 from test_checkpoint import REPO, make_batch
 
@@ -27,10 +27,4 @@ def _one_step(rank, world, ep):
 @pytest.mark.parametrize("ep", [1, 2])
 def test_two_ranks_match_one_rank(ep):
     ref = _one_step(0, 1, 1)
-    outs = spawn_gloo(_one_step, 2, ep, timeout_s=300)
-    for o in outs:
-        for k, v in ref["metrics"].items():
-            assert o["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
-        assert o["params"].keys() == ref["params"].keys()
-        for k, v in ref["params"].items():
-            assert torch.allclose(o["params"][k], v, atol=2e-5, rtol=0), (k, (o["params"][k] - v).abs().max())
+    assert_ranks_match_reference(ref, spawn_gloo(_one_step, 2, ep, timeout_s=300))

@@ -71,3 +71,19 @@ def spawn_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float 
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
+
+
+def assert_ranks_match_reference(ref: dict, outs: list[dict], atol: float = 2e-5) -> None:
+    """Every rank's ``{"metrics": {k: float}, "params": {name: tensor}}`` equals the 1-rank ``ref``.
+
+    Metrics to a relative 1e-4; parameters (full tensors) to ``atol`` absolute.
+    """
+    import pytest
+    import torch
+
+    for o in outs:
+        for k, v in ref["metrics"].items():
+            assert o["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+        assert o["params"].keys() == ref["params"].keys()
+        for k, v in ref["params"].items():
+            assert torch.allclose(o["params"][k], v, atol=atol, rtol=0), (k, (o["params"][k] - v).abs().max())
