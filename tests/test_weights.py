@@ -408,3 +408,25 @@ def test_cuda_tensors_dma_into_pinned_store(redis_url, run_id):
     finally:
         sub.close()
         pub.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_cuda_subscriber_zmq_frames_pinned_and_verified(redis_url, run_id):
+    """Over ZeroMQ a CUDA subscriber page-locks each verified bucket for the H2D load;
+    a corrupted reply is still re-fetched and the loaded bytes are exact."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="zmq", bucket_bytes=8192)
+    sub = WeightSubscriber(coord, plane="zmq", streams=1, device="cuda")
+    try:
+        tensors = make_tensors(70)
+        pub.publish(0, SPECS, iter(tensors))
+        pub.server.corrupt_next(1)
+        got = [(n, t.to("cuda")) for n, t in sub.fetch(0)]
+        assert sub.checksum_failures == 1 and sub._pinned_frames
+        check_equal(((n, t.cpu()) for n, t in got), tensors)
+    finally:
+        sub.close()
+        pub.close()

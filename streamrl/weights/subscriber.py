@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from streamrl.coord.coordinator import Coordinator
+from streamrl.weights import pinning
 from streamrl.weights.layout import ChecksumError, Layout, checksum_region
 from streamrl.weights.publisher import host_id
 from streamrl.weights.store import ReaderCache
@@ -67,6 +68,7 @@ class WeightSubscriber:
         # a GPU engine so its load is a DMA straight from the store.
         pin = str(device).startswith("cuda") if pin_store is None else pin_store
         self._readers = ReaderCache(pin_cuda=pin)
+        self._pinned_frames: list[torch.Tensor] = []  # received zmq buckets page-locked for H2D
 
     # -- discovery ---------------------------------------------------------------------
     def newer_version(self, include_pending: bool = False) -> int | None:
@@ -88,6 +90,7 @@ class WeightSubscriber:
         mismatches after ``retries`` re-fetches; nothing of the version is returned then.
         """
         t0 = time.perf_counter()
+        self._unpin_frames()  # the previous fetch's buckets: loaded by now, or dropped
         manifest = self.coord.manifest(version)
         if manifest is None:
             return None
@@ -149,6 +152,10 @@ class WeightSubscriber:
                 verify_s += time.perf_counter() - tv
                 if ok:
                     bufs[i] = buf
+                    # A received bucket is private, pageable memory: page-lock it for a GPU
+                    # engine (~35 ms/GB, overlapping the transfer) so its load is a DMA.
+                    if not use_shm and self._readers.pin_cuda and pinning.register(buf):
+                        self._pinned_frames.append(buf)
                     continue
                 self.checksum_failures += 1
                 if self.coord.manifest(version) is None:
@@ -202,7 +209,15 @@ class WeightSubscriber:
             self.coord.put_weight_timings(worker_id, {**self.timings, "weights/version": version})
         self.coord.ack(worker_id, version)
 
+    def _unpin_frames(self) -> None:
+        # Unregister before the frames can be freed: a freed, still-registered range would
+        # make a later registration of reused memory fail.
+        for buf in self._pinned_frames:
+            pinning.unregister(buf)
+        self._pinned_frames = []
+
     def close(self) -> None:
+        self._unpin_frames()
         self._readers.close()
         if self._client is not None:
             self._client.close()
