@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from streamrl.config import Config, load_config
+from streamrl.rewards import response_text
 from streamrl.tasks import get_task
 from streamrl.tasks.registry import Problem, eval_problems
 
@@ -53,7 +54,7 @@ def greedy_eval(model, tok, task, problems: list[Problem], *, chat_template: boo
         out = model.generate(input_ids=inp.to(dev), attention_mask=attn.to(dev), do_sample=False,
                              max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id)
         for p, seq in zip(chunk, out[:, width:].cpu().tolist()):
-            rewards.append(float(task.reward(p, tok.decode(seq, skip_special_tokens=True))))
+            rewards.append(float(task.reward(p, response_text(tok, seq))))
     return {"accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
             "reward_mean": sum(rewards) / max(len(rewards), 1), "n": len(rewards)}
 

@@ -196,16 +196,39 @@ def build_reward(spec: str = "task", task=None, reward_model: str = "", reward_m
     return CombinedReward(names, weights, fns, model, reward_model_weight, credit_fns)
 
 
+def _until_eos(tok, ids: list[int]) -> list[int]:
+    eos = getattr(tok, "eos_token_id", None)
+    ids = list(ids)
+    return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
+
+
+def response_text(tok, ids: list[int]) -> str:
+    """The text a reward scores: the response up to (not including) its first EOS, with every
+    other special token *visible* (``<pad>``, ``<bos>``, chat markers).
+
+    Why visible: decoding with ``skip_special_tokens=True`` hid the pad / bos tokens a policy
+    samples between its digits (``'9<pad>5'`` scored as ``'95'``), so the reward paid for text
+    the model never wrote in that form, and positions in the text stopped matching positions in
+    the response.
+    """
+    return tok.decode(_until_eos(tok, ids), skip_special_tokens=False)
+
+
+def response_texts(tok, token_lists: list[list[int]]) -> list[str]:
+    """:func:`response_text` of each response."""
+    return tok.batch_decode([_until_eos(tok, ids) for ids in token_lists], skip_special_tokens=False)
+
+
 def decoded_prefix_lengths(tok, ids: list[int]) -> list[int]:
-    """``[len(decode(ids[:k + 1]))]`` for every k (special tokens skipped): where each token's
-    text ends in the decoded response.
+    """``[len(response_text(ids[:k + 1]))]`` for every k: where each token's text ends in the
+    scored response (special tokens visible, nothing from the EOS on).
 
     Decoding prefixes (rather than tokens one by one) is what stays right for byte-level BPE
     (a character split over tokens appears once complete) and SentencePiece (a leading space
     shows only mid-text). Cost: O(n^2) characters decoded per response of n tokens, in the
     tokenizer's native batch decode; only paid for responses that carry character credit.
     """
-    texts = tok.batch_decode([ids[: k + 1] for k in range(len(ids))], skip_special_tokens=True)
+    texts = response_texts(tok, [ids[: k + 1] for k in range(len(ids))])
     return [len(t) for t in texts]
 
 
@@ -213,15 +236,15 @@ def token_rewards(tok, ids: list[int], char_credit: list[float], terminal: float
     """Map one response's character credits and terminal remainder onto its tokens.
 
     Args:
-        tok: the tokenizer that decoded ``ids`` (with ``skip_special_tokens=True``) into the
-            text the credits index.
+        tok: the tokenizer that decoded ``ids`` (:func:`response_text`) into the text the
+            credits index.
         ids: [n] sampled response token ids.
         char_credit: credit per character of the decoded response text.
         terminal: the remainder; goes to the first EOS token, else the last token.
     Returns:
         [n] per-token rewards summing to ``sum(char_credit) + terminal``. A character's credit
-        goes to the first token whose decoded prefix covers it; special tokens (and anything
-        after the EOS) decode to nothing and get 0 besides the terminal remainder.
+        goes to the first token whose decoded prefix covers it; the EOS and anything after it
+        decode to nothing and get 0 besides the terminal remainder.
     """
     n = len(ids)
     out = [0.0] * n

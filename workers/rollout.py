@@ -34,7 +34,7 @@ from streamrl.engines.factory import build_engine
 from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.metrics import RateLimitedRedisSink
 from streamrl.models.factory import load_model_and_tokenizer
-from streamrl.rewards import build_reward, token_rewards
+from streamrl.rewards import build_reward, response_texts, token_rewards
 from streamrl.tasks import get_task
 from streamrl.tasks.sources import prompt_source
 from streamrl.trajectory import make_id, pack_trajectories
@@ -97,7 +97,7 @@ class BatchRoller:
         else:
             gen = self.engine.generate(flat_prompts, rc.max_new_tokens, rc.temperature,
                                        between_steps=between_steps, version=version)
-        texts = self.tok.batch_decode(gen.tokens, skip_special_tokens=True)
+        texts = response_texts(self.tok, gen.tokens)
         flat_problems = [p for p in problems for _ in range(rc.group_size)]
         rewards, components = self.reward.score(flat_problems, texts)
         group_ids, traj_ids = [], []

@@ -82,7 +82,9 @@ def greedy_accuracy(engine, roller, problems: list[Problem], max_new_tokens: int
                 out = engine.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens,
                                             pad_token_id=engine.pad_id, eos_token_id=engine.eos_id)
                 tokens.append(out[0, len(p):].tolist())
-    texts = roller.tok.batch_decode(tokens, skip_special_tokens=True)
+    from streamrl.rewards import response_texts
+
+    texts = response_texts(roller.tok, tokens)
     return sum(exact_answer(p, t) for p, t in zip(problems, texts)) / max(len(problems), 1)
 
 
