@@ -6,6 +6,10 @@ its gather makes the full tensor (``torch.cat``), so gather memory is real. Subs
 subprocesses with a preallocated "engine" (a dict of tensors, loaded by ``copy_``, all or
 nothing) that follow versions as soon as they begin (streaming), verify, load and ack.
 
+Rows are timed in a run's steady state: before the first row of a size the publisher
+publishes until its store recycles files (pages allocated and page-locked once, as in a
+long run); the best of ``--repeat`` rounds is kept.
+
 Reported per row: end-to-end seconds from ``publish()`` to the last ack and GB/s; the split
 gather / write (publisher) / transfer (subscriber fetch wall time, overlapping the publish)
 / verify / load (slowest subscriber); peak extra publisher memory (anonymous RSS above the

@@ -44,7 +44,7 @@ class VersionFile:
         """``fd``: an open read-only descriptor of ``path`` to map (the caller keeps it)."""
         self.path = path
         self.total = total
-        self.pinned = False
+        self.pinned = self._pin_failed = False
         size = max(total, 1)
         if writable:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -79,8 +79,9 @@ class VersionFile:
 
     def pin(self, read_only: bool) -> bool:
         """Page-lock the mapping for CUDA copies (once; see :mod:`streamrl.weights.pinning`)."""
-        if not self.pinned:
+        if not self.pinned and not self._pin_failed:
             self.pinned = pinning.register(self.buf, read_only=read_only)
+            self._pin_failed = not self.pinned  # tried once: stay pageable, warn once
         return self.pinned
 
     def unpin(self) -> None:

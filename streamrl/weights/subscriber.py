@@ -11,6 +11,11 @@ The plane comes from the manifest: a collective plane (nccl/gloo) when the publi
 one; otherwise shared memory when the manifest's host is this host (``plane="auto"``) or
 forced, else ZeroMQ from the publisher's bucket server.
 
+Same-host store files stay mapped across fetches (:class:`~streamrl.weights.store.ReaderCache`);
+for a CUDA engine they, and verified ZeroMQ buckets, are page-locked, so the engine's load
+is a DMA (:mod:`streamrl.weights.pinning`). Verification always reads the bytes the engine
+will load, before any of them is handed over.
+
 Timings of the last fetch (``weights/wait_s``: waiting for the publisher's buckets,
 ``weights/transfer_s``: fetch wall time, ``weights/verify_s``: checksums, ``weights/load_s``:
 engine load, set by :meth:`load`) go to Redis with the ack.
@@ -69,6 +74,7 @@ class WeightSubscriber:
         pin = str(device).startswith("cuda") if pin_store is None else pin_store
         self._readers = ReaderCache(pin_cuda=pin)
         self._pinned_frames: list[torch.Tensor] = []  # received zmq buckets page-locked for H2D
+        self._pin_frames = pin
 
     # -- discovery ---------------------------------------------------------------------
     def newer_version(self, include_pending: bool = False) -> int | None:
@@ -154,8 +160,11 @@ class WeightSubscriber:
                     bufs[i] = buf
                     # A received bucket is private, pageable memory: page-lock it for a GPU
                     # engine (~35 ms/GB, overlapping the transfer) so its load is a DMA.
-                    if not use_shm and self._readers.pin_cuda and pinning.register(buf):
-                        self._pinned_frames.append(buf)
+                    if not use_shm and self._pin_frames:
+                        if pinning.register(buf):
+                            self._pinned_frames.append(buf)
+                        else:
+                            self._pin_frames = False  # e.g. the locked-memory limit: stay pageable
                     continue
                 self.checksum_failures += 1
                 if self.coord.manifest(version) is None:
