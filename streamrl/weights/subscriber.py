@@ -13,8 +13,10 @@ forced, else ZeroMQ from the publisher's bucket server.
 
 Same-host store files stay mapped across fetches (:class:`~streamrl.weights.store.ReaderCache`);
 for a CUDA engine they, and verified ZeroMQ buckets, are page-locked, so the engine's load
-is a DMA (:mod:`streamrl.weights.pinning`). Verification always reads the bytes the engine
-will load, before any of them is handed over.
+is a DMA (:mod:`streamrl.weights.pinning`). Every bucket is verified before any tensor is
+handed over. Caveat (shared memory, unchanged by the caches): the engine reads the store
+after the verify, so a version collected *and* recycled by the publisher in between (it
+must publish ``keep`` newer versions during one load) would load unverified bytes.
 
 Timings of the last fetch (``weights/wait_s``: waiting for the publisher's buckets,
 ``weights/transfer_s``: fetch wall time, ``weights/verify_s``: checksums, ``weights/load_s``:
