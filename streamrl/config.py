@@ -240,6 +240,8 @@ class LearnerConfig:
     """loss = vtrace: truncation rho_bar of the importance weight in the TD errors and advantages."""
     vtrace_c_bar: float = 1.0
     """loss = vtrace: truncation c_bar of the trace-cutting coefficients."""
+    vtrace_adv_norm: bool = True
+    """loss = vtrace: whiten the per-token advantages over the batch (a baseline until the critic has one)."""
     advantage: str = "sequence"
     """Advantages: sequence (GRPO, one per trajectory) or token (group-relative reward-to-go; needs rollout.token_rewards)."""
 

@@ -109,7 +109,9 @@ def _on_policy_batch(tr, seed: int, n: int = 8):
 
 def test_critic_learns_on_a_fixed_batch():
     torch.manual_seed(0)
-    tr = Trainer(_cfg())
+    # unwhitened advantages: the policy then moves little on this fixed batch, so the critic's
+    # targets stay put and the test measures the critic's learning alone
+    tr = Trainer(_cfg("learner.vtrace_adv_norm=false"))
     batch = _on_policy_batch(tr, 11)
     hist = [tr.step(batch) for _ in range(30)]
     first = hist[0]
@@ -221,3 +223,17 @@ def test_launch_vtrace_learns(tmp_path, repo, python):
         text = log.read_text()
         assert "mismatch" not in text and "re-fetch" not in text, text[-2000:]
     assert summary["samples_dropped_stale"] < 0.2 * summary["samples"], summary
+
+
+def test_whitened_advantages_have_zero_mean_unit_std_on_the_mask():
+    from streamrl.learner.critic import whiten_advantages
+
+    g = torch.Generator().manual_seed(0)
+    adv = torch.rand(4, 6, generator=g) * 3 + 1.0  # all positive, like V-trace's first steps
+    mask = (torch.rand(4, 6, generator=g) > 0.3).float()
+    w = whiten_advantages(adv, mask)
+    m = mask.bool()
+    assert abs(float(w[m].mean())) < 1e-6
+    assert float(w[m].std(unbiased=False)) == pytest.approx(1.0, rel=1e-4)
+    assert (w[~m] == 0).all()
+    assert (w[m] < 0).any()  # below-average tokens are now pushed down

@@ -147,3 +147,31 @@ def critic_metrics(values: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor, g
         ev = 1.0 - var_r / var_t if var_t > 1e-12 else 0.0
     return {"learner/value_mean": float(s[1]) / n, "learner/vtrace_target_mean": float(s[2]) / n,
             "learner/explained_variance": ev}
+
+
+def whiten_advantages(adv: torch.Tensor, mask: torch.Tensor, group=None, eps: float = 1e-6) -> torch.Tensor:
+    """``(A - mean) / std`` over the masked tokens of every rank in ``group`` (PPO's batch whitening).
+
+    Why: early on V is ~0, so every V-trace advantage is ~ the (non-negative) return and the
+    policy gradient pushes up every sampled token at once; entropy collapses before the critic
+    has learned a baseline (seen on the GPU recipe: entropy 3.96 -> 0.05 in 10 steps).
+    Whitening gives the batch its own baseline until the critic provides one. The statistics
+    are global, so 2 ranks compute what 1 rank would.
+
+    Args:
+        adv: [B, T-1]; mask: [B, T-1] (an idle rank passes an all-zero mask).
+    Returns:
+        [B, T-1] whitened advantages, 0 outside the mask.
+    """
+    with torch.no_grad():
+        m = mask.to(torch.float64)
+        a = adv.detach().to(torch.float64)
+        s = torch.stack([m.sum(), (a * m).sum(), (a * a * m).sum()])
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(s, group=group)
+        n = float(s[0])
+        if n < 2:
+            return adv * mask
+        mean = float(s[1]) / n
+        std = max(float(s[2]) / n - mean * mean, 0.0) ** 0.5
+        return ((adv - mean) / (std + eps)) * mask

@@ -22,7 +22,7 @@ from streamrl.algorithms.moe_losses import load_balancing_loss, router_z_loss
 from streamrl.algorithms.regularizers import token_entropy
 from streamrl.config import Config, ConfigError
 from streamrl.learner.critic import (attach_value_head, critic_metrics, critic_targets, is_critic_param,
-                                     response_mdp, value_head, value_loss)
+                                     response_mdp, value_head, value_loss, whiten_advantages)
 from streamrl.learner.moe_router import RouterController, router_metrics
 from streamrl.learner.objective import compute_policy_loss, kl_term
 from streamrl.models.factory import load_model_and_tokenizer
@@ -265,6 +265,8 @@ class Trainer:
                     # global token mean after the rank average (n_tok is global / world)
                     "learner/vtrace_advantage_abs_mean": float((a.abs() * mask).sum()) / n_tok,
                     **critic_metrics(values, vs, mask, self.mesh.dp_group)}
+            if lc.vtrace_adv_norm:
+                a = whiten_advantages(a, mask, self.mesh.dp_group)
         pg_loss, stats = compute_policy_loss(lc, logp, prox_logp, behav, a, mask, n_tok, n_seq, norm_len)
         loss = pg_loss
         if self.critic:
