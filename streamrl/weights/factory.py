@@ -43,7 +43,8 @@ def make_subscriber(coord: Coordinator, cfg=None, worker_id: int | None = None,
         return WeightSubscriber(coord)
     plane = w.data_plane if w.data_plane in ("shm", "zmq") else "auto"
     rank = None if worker_id is None else worker_id + 1
-    return WeightSubscriber(coord, plane=plane, streams=w.zmq_streams, collective_rank=rank, device=device)
+    return WeightSubscriber(coord, plane=plane, streams=w.zmq_streams, collective_rank=rank, device=device,
+                            verify_threads=w.verify_threads)
 
 
 def make_router_ema(cfg=None) -> RouterEma | None:

@@ -13,7 +13,8 @@ never a second model copy. GPU tensors are copied straight into the page-locked 
 
 Data planes (``plane``):
 
-* ``shm``: the store file under /dev/shm; same-host subscribers map it.
+* ``shm``: the store file under /dev/shm; same-host subscribers map it (under a read lease,
+  so a file is never recycled while a subscriber's engine may still read it).
 * ``zmq``: the same store, served by a :class:`BucketServer` to subscribers anywhere.
   ``auto`` and ``shm`` also run the server, so any subscriber can pick by host.
 * ``nccl`` / ``gloo``: broadcast of bucket buffers in a fixed group of the publisher and
@@ -51,7 +52,9 @@ class WeightPublisher:
     def __init__(self, coord: Coordinator, run: str, plane: str = "auto", bucket_bytes: int = 64 << 20,
                  keep: int = 3, checksum: str = "sum64", target: str = "hf", bind_host: str = "127.0.0.1",
                  advertise_host: str | None = None, collective_world: int = 0, device: str | None = None,
-                 pin_store: bool = True):
+                 pin_store: bool = True, max_retained: int = 4):
+        """``keep``: versions kept in Redis and the store; ``max_retained``: collected versions
+        whose files are kept beyond that while subscribers still read them (read leases)."""
         if plane not in PLANES:
             raise ValueError(f"weights data_plane {plane!r} is unknown; choose one of {PLANES}")
         Checksum(checksum)  # validates the algo name
@@ -66,7 +69,7 @@ class WeightPublisher:
             from streamrl.weights.collective import CollectiveSender
             self.collective = CollectiveSender(coord, plane, collective_world, bind_host, advertise_host, device)
         else:
-            self.store = ShmStore(run, keep=keep)
+            self.store = ShmStore(run, keep=keep, max_retained=max_retained)
             self.server = BucketServer(self._lookup, f"tcp://{bind_host}:*", advertise_host)
 
     def _lookup(self, version: int, index: int) -> memoryview | None:
@@ -151,10 +154,7 @@ class WeightPublisher:
         manifest["state"] = "complete"
         manifest["buckets"] = layout.buckets
         self.coord.publish_version(version, manifest, keep=self.keep)
-        if self.store is not None:
-            for v in self.store.gc():
-                self._ready.pop(v, None)
-                self._buckets.pop(v, None)
+        self.collect()
         return {"weights/gather_s": gather_s, "weights/write_s": write_s,
                 "weights/publish_s": time.perf_counter() - t0, "weights/bytes": float(layout.total_bytes),
                 "weights/buckets": float(len(layout.buckets)), "weights/peak_tensor_bytes": float(peak)}
@@ -188,8 +188,20 @@ class WeightPublisher:
             hi = stop if stop < n else dst.numel()  # the last piece takes the zero padding
             write_tensor(dst[start:hi], bounce, ck)
 
+    def collect(self) -> list[int]:
+        """Garbage-collect store files beyond ``keep`` (done after every publish); files that
+        subscribers still lease are retried here. Returns the versions retired now."""
+        if self.store is None:
+            return []
+        old = self.store.gc()
+        for v in old:  # out of the store's live files: the bucket server no longer serves them
+            self._ready.pop(v, None)
+            self._buckets.pop(v, None)
+        return old
+
     def stats(self) -> dict[str, float]:
-        return {"weights/served_bytes": float(self.server.served_bytes if self.server else 0)}
+        return {"weights/served_bytes": float(self.server.served_bytes if self.server else 0),
+                "weights/retained_versions": float(len(self.store.retained) if self.store else 0)}
 
     def close(self) -> None:
         if self.server is not None:

@@ -6,8 +6,9 @@ read a bucket as soon as Redis says it is ready (x86 and the Redis round trip or
 writes before the announcement), and the ZeroMQ server sends buckets from the same pages
 without another copy. When a version is garbage-collected its file is renamed to a spare
 and reused for the next version (its pages are already allocated and mapped: fresh tmpfs
-pages cost one fault per 4 KiB, ~0.25 s/GB here); a reader still mapping it would see new
-bytes, fail the checksum, find the manifest gone and report the version as gone.
+pages cost one fault per 4 KiB, ~0.25 s/GB here), but only when no subscriber holds a read
+lease on it (:mod:`streamrl.weights.lease`): a leased file is kept (``ShmStore.retained``)
+and recycled at a later GC, so bytes a subscriber verified never change under its engine.
 
 A subscriber keeps its read-only mappings in a :class:`ReaderCache` keyed by inode: a
 recycled file keeps its inode, so the next fetch of that file reuses the mapping (no new
@@ -20,6 +21,7 @@ learner.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import warnings
@@ -27,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-from streamrl.weights import pinning
+from streamrl.weights import lease, pinning
+
+log = logging.getLogger(__name__)
 
 
 def shm_dir() -> Path:
@@ -77,6 +81,11 @@ class VersionFile:
     def memoryview(self, offset: int, nbytes: int) -> memoryview:
         return memoryview(self._mm)[offset: offset + nbytes]
 
+    def leased(self, fd: int) -> torch.Tensor:
+        """uint8 [total] over this mapping that holds the read lease ``fd`` until its last
+        view is freed (:func:`streamrl.weights.lease.leased_buffer`)."""
+        return lease.leased_buffer(self._mm, self.total, fd)
+
     def pin(self, read_only: bool) -> bool:
         """Page-lock the mapping for CUDA copies (once; see :mod:`streamrl.weights.pinning`)."""
         if not self.pinned and not self._pin_failed:
@@ -91,15 +100,27 @@ class VersionFile:
 
 
 class ShmStore:
-    """Publisher-side files of the newest ``keep`` versions of run ``run``."""
+    """Publisher-side files of the newest ``keep`` versions of run ``run``.
 
-    def __init__(self, run: str, keep: int = 3, directory: Path | None = None):
+    A collected version's file is recycled only under an exclusive ``flock``
+    (:mod:`streamrl.weights.lease`): while a subscriber holds a read lease on it, it moves to
+    :attr:`retained` and is retried at every :meth:`gc`. At most ``max_retained`` files are
+    kept that way; beyond that the oldest is unlinked instead (its bytes stay intact for the
+    readers mapping it and are freed when they let go), so the store holds at most
+    ``keep + max_retained`` named files plus one spare.
+    """
+
+    def __init__(self, run: str, keep: int = 3, directory: Path | None = None, max_retained: int = 4):
         if keep < 1:
             raise ValueError(f"weights keep_versions = {keep}: must be >= 1")
+        if max_retained < 0:
+            raise ValueError(f"shm store max_retained = {max_retained}: must be >= 0")
         self.run = run
-        self.keep = keep
+        self.keep, self.max_retained = keep, max_retained
         self.dir = directory or shm_dir()
         self.files: dict[int, VersionFile] = {}
+        self.retained: dict[int, VersionFile] = {}  # collected, but a reader still holds a lease
+        self.collected: list[int] = []  # versions whose files were recycled or unlinked, in order
         self._spare: VersionFile | None = None
 
     def path(self, version: int) -> Path:
@@ -110,48 +131,91 @@ class ShmStore:
         whose pages are already allocated and mapped (fresh tmpfs pages cost a fault each)."""
         spare = self._spare
         self._spare = None
+        path = self.path(version)
         if spare is not None and spare.total == total:
-            path = self.path(version)
             os.rename(spare.path, path)  # same tmpfs: the pages and our mapping stay
             spare.path = path
             vf = spare
         else:
             if spare is not None:
-                spare.unpin()
-                spare.path.unlink(missing_ok=True)
-            vf = VersionFile(self.path(version), total, writable=True)
+                self._unlink(spare)
+            # A stale file of this name (an earlier incarnation of the run) may still be mapped
+            # by a reader: unlink it rather than truncate it under that reader.
+            path.unlink(missing_ok=True)
+            vf = VersionFile(path, total, writable=True)
         self.files[version] = vf
         return vf
 
     def drop(self, versions: list[int], recycle: bool = True) -> None:
-        """Retire the files of ``versions``: the newest becomes the spare for the next
-        :meth:`create` (renamed, so no reader can open it by its old name), others are
-        unlinked; mappings die with their last reference."""
+        """Retire the files of ``versions``. ``recycle``: each becomes the spare for the next
+        :meth:`create` once no reader leases it (renamed, so no reader can open it by its old
+        name; the newest freed one is kept, older spares are unlinked). Otherwise unlinked at
+        once, which leaves the bytes intact for any reader still mapping them."""
         for v in sorted(versions):
             vf = self.files.pop(v, None)
             if vf is None:
                 continue
             if recycle:
-                if self._spare is not None:
-                    self._spare.path.unlink(missing_ok=True)
-                spare_path = self.dir / f"streamrl-{self.run}-spare.bin"
-                os.rename(vf.path, spare_path)
-                vf.path = spare_path
-                self._spare = vf
+                self.retained[v] = vf
             else:
-                vf.unpin()
-                vf.path.unlink(missing_ok=True)
+                self._unlink(vf)
+                self.collected.append(v)
+        if recycle:
+            self._collect()
 
     def gc(self) -> list[int]:
+        """Retire all but the newest ``keep`` versions (and retry the retained ones); returns
+        the versions that left :attr:`files` now."""
         old = sorted(self.files)[:-self.keep]
         self.drop(old)
         return old
 
+    def _collect(self) -> None:
+        for v in sorted(self.retained):
+            vf = self.retained[v]
+            try:
+                fd = lease.try_exclusive(vf.path)
+            except FileNotFoundError:  # removed behind our back: nothing left to recycle
+                self._forget(v)
+                continue
+            if fd is None:
+                if not getattr(vf, "_retain_logged", False):
+                    vf._retain_logged = True
+                    log.warning("weights v%d is still being read by a subscriber: keeping its file "
+                                "(%d kept beyond keep_versions=%d)", v, len(self.retained), self.keep)
+                continue
+            try:
+                if self._spare is not None:
+                    self._unlink(self._spare)
+                spare_path = self.dir / f"streamrl-{self.run}-spare.bin"
+                os.rename(vf.path, spare_path)  # under the exclusive lock: see streamrl.weights.lease
+                vf.path = spare_path
+                self._spare = vf
+            finally:
+                os.close(fd)
+            del self.retained[v]
+            self.collected.append(v)
+        while len(self.retained) > self.max_retained:
+            v = min(self.retained)
+            log.warning("weights v%d: more than max_retained=%d files are leased; unlinking it (its "
+                        "readers keep their bytes, freed when they let go)", v, self.max_retained)
+            self._forget(v)
+
+    def _forget(self, v: int) -> None:
+        self._unlink(self.retained.pop(v))
+        self.collected.append(v)
+
+    @staticmethod
+    def _unlink(vf: VersionFile) -> None:
+        vf.unpin()
+        vf.path.unlink(missing_ok=True)
+
     def close(self) -> None:
         self.drop(list(self.files), recycle=False)
+        for v in list(self.retained):
+            self._forget(v)
         if self._spare is not None:
-            self._spare.unpin()
-            self._spare.path.unlink(missing_ok=True)
+            self._unlink(self._spare)
             self._spare = None
 
 
@@ -172,12 +236,16 @@ class ReaderCache:
         self.capacity, self.pin_cuda = capacity, pin_cuda
         self._files: dict[tuple[int, int], tuple[int, VersionFile]] = {}  # key -> (fd, mapping)
 
-    def open(self, path: str | Path, total: int) -> VersionFile:
+    def open(self, path: str | Path, total: int, expect: tuple[int, int] | None = None) -> VersionFile:
         """A mapping of ``path`` covering ``total`` bytes; raises FileNotFoundError if the file
-        is gone or shorter than ``total`` (a version being recycled)."""
+        is gone, shorter than ``total`` (a version being recycled) or, with ``expect``, not the
+        file ``(st_dev, st_ino)`` (the one a read lease was taken on)."""
         fd = os.open(path, os.O_RDONLY)
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
+        if expect is not None and key != expect:
+            os.close(fd)
+            raise FileNotFoundError(f"{path} is no longer the leased file")
         hit = self._files.pop(key, None)
         if hit is not None and hit[1].total == total:
             os.close(fd)

@@ -14,9 +14,15 @@ forced, else ZeroMQ from the publisher's bucket server.
 Same-host store files stay mapped across fetches (:class:`~streamrl.weights.store.ReaderCache`);
 for a CUDA engine they, and verified ZeroMQ buckets, are page-locked, so the engine's load
 is a DMA (:mod:`streamrl.weights.pinning`). Every bucket is verified before any tensor is
-handed over. Caveat (shared memory, unchanged by the caches): the engine reads the store
-after the verify, so a version collected *and* recycled by the publisher in between (it
-must publish ``keep`` newer versions during one load) would load unverified bytes.
+handed over. The engine reads the store *after* the verify, so a same-host fetch first takes
+a read lease on the version's file (:mod:`streamrl.weights.lease`): the publisher does not
+recycle a leased file, and the lease lives exactly as long as any tensor this fetch handed
+out, so the engine can only ever read the bytes that were verified, however long its load
+takes and however many versions are published meanwhile. Drop the tensors once loaded
+(:meth:`load` does) so the publisher can recycle the file.
+
+``verify_threads``: torch intra-op threads for the checksums (set around each fetch and
+restored, so the engine keeps its own setting; the process-wide setting changes meanwhile).
 
 Timings of the last fetch (``weights/wait_s``: waiting for the publisher's buckets,
 ``weights/transfer_s``: fetch wall time, ``weights/verify_s``: checksums, ``weights/load_s``:
@@ -24,14 +30,16 @@ engine load, set by :meth:`load`) go to Redis with the ack.
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
 from streamrl.coord.coordinator import Coordinator
-from streamrl.weights import pinning
+from streamrl.weights import lease, pinning
 from streamrl.weights.layout import ChecksumError, Layout, checksum_region
 from streamrl.weights.publisher import host_id
 from streamrl.weights.store import ReaderCache
@@ -52,16 +60,36 @@ def _as_tensor(buf: memoryview) -> torch.Tensor:
     return t
 
 
+@contextmanager
+def intra_op_threads(n: int | None):
+    """Run the block with ``n`` torch intra-op threads (None: leave the setting alone)."""
+    prev = torch.get_num_threads()
+    if n is None or n == prev:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 class WeightSubscriber:
     """Fetch verified versions for one rollout worker."""
 
     def __init__(self, coord: Coordinator, plane: str = "auto", streams: int = 2, retries: int = 2,
                  timeout_s: float = 120.0, collective_rank: int | None = None, device: str = "cpu",
-                 pin_store: bool | None = None):
+                 pin_store: bool | None = None, verify_threads: int | None = None, lease_reads: bool = True):
         """``device``: where the engine's weights live; with a CUDA device (or ``pin_store``)
-        same-host store mappings are page-locked so the engine's load is a DMA from them."""
+        same-host store mappings are page-locked so the engine's load is a DMA from them.
+        ``verify_threads``: torch threads for the checksums (None: the process setting).
+        ``lease_reads=False`` drops the store read lease: the old, racy path, kept only so tests
+        can show the race they guard against."""
         if plane not in SUB_PLANES:
             raise ValueError(f"weights subscriber plane {plane!r} is unknown; choose one of {SUB_PLANES}")
+        if verify_threads is not None and verify_threads < 1:
+            raise ValueError(f"weights verify_threads = {verify_threads}: must be >= 1")
+        self.verify_threads, self.lease_reads = verify_threads, lease_reads
         self.coord, self.plane, self.streams = coord, plane, streams
         self.retries, self.timeout_s = retries, timeout_s
         self.loaded_version = -1
@@ -96,7 +124,25 @@ class WeightSubscriber:
         None when the version is gone (garbage-collected, superseded) or its publisher
         stopped before finishing it. Raises :class:`ChecksumError` when a bucket still
         mismatches after ``retries`` re-fetches; nothing of the version is returned then.
+        Same-host views hold the store's read lease until the last of them is freed.
         """
+        with intra_op_threads(self.verify_threads):
+            return self._fetch(version)
+
+    def _open_store(self, path: str, total: int) -> torch.Tensor:
+        """uint8 [total] over the version's store file; with ``lease_reads`` it holds a read
+        lease that lives as long as any view of it. Raises FileNotFoundError when gone."""
+        if not self.lease_reads:
+            return self._readers.open(path, total).buf
+        fd, key = lease.acquire_read(path)  # before reading a byte: see streamrl.weights.lease
+        try:
+            vf = self._readers.open(path, total, expect=key)
+            return vf.leased(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _fetch(self, version: int) -> Iterator[tuple[str, torch.Tensor]] | None:
         t0 = time.perf_counter()
         self._unpin_frames()  # the previous fetch's buckets: loaded by now, or dropped
         manifest = self.coord.manifest(version)
@@ -109,8 +155,8 @@ class WeightSubscriber:
         use_shm = self.plane == "shm" or (self.plane == "auto" and manifest.get("host") == self.host)
         if use_shm:
             try:
-                vf = self._readers.open(manifest["path"], layout.total_bytes)
-            except FileNotFoundError:
+                store = self._open_store(manifest["path"], layout.total_bytes)
+            except FileNotFoundError:  # collected (or recycled) before we got to it
                 return None
         else:
             if self._client is None or self._client.endpoint != manifest["endpoint"]:
@@ -144,7 +190,7 @@ class WeightSubscriber:
             if use_shm:
                 for i in sorted(set(known) - set(bufs)):
                     b = layout.buckets[i]
-                    arrived.append((i, vf.region(b["offset"], b["nbytes"])))
+                    arrived.append((i, store[b["offset"]: b["offset"] + b["nbytes"]]))
             else:
                 for i in sorted(set(known) - requested):
                     self._client.request(version, i)
@@ -208,7 +254,10 @@ class WeightSubscriber:
         if tensors is None:
             return None
         tl = time.perf_counter()
-        engine.load_weights(tensors)
+        try:
+            engine.load_weights(tensors)
+        finally:
+            del tensors  # the engine copied them: free the views and with them the store lease
         self.timings["weights/load_s"] = time.perf_counter() - tl
         self.mark_loaded(worker_id, v)
         return v
