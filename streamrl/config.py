@@ -357,6 +357,8 @@ class WeightsConfig:
     """Decay of the published router-weight EMA; 0 publishes the raw router weights."""
     collective_world: int = 0
     """nccl/gloo planes: publisher + subscribers in the fixed broadcast group."""
+    verify_threads: int = 1
+    """Torch intra-op threads a subscriber uses for bucket checksums (restored after each fetch)."""
 
     def validate(self, p: str) -> None:
         _check(self.data_plane in ("auto", "shm", "zmq", "nccl", "gloo"), f"{p}.data_plane", self.data_plane,
@@ -369,6 +371,7 @@ class WeightsConfig:
         _check(0.0 <= self.router_ema < 1.0, f"{p}.router_ema", self.router_ema, "must be in [0, 1)")
         _check(self.data_plane not in ("nccl", "gloo") or self.collective_world >= 2, f"{p}.collective_world",
                self.collective_world, "must be >= 2 for the nccl/gloo planes")
+        _check(self.verify_threads >= 1, f"{p}.verify_threads", self.verify_threads, "must be >= 1")
 
 
 @dataclass
