@@ -144,6 +144,32 @@ def test_retained_files_are_bounded_and_readers_keep_their_bytes(redis_url, run_
         pub.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_cuda_engine_loads_its_verified_version_from_the_page_locked_store(redis_url, run_id):
+    """The CUDA subscriber's store mapping is page-locked and the engine's load is a DMA from
+    the leased views: the same race, the same bit-exact result."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=BUCKET, keep=1)
+    sub = WeightSubscriber(coord, plane="shm", device="cuda")
+    try:
+        publish(pub, 0)
+        tensors = sub.fetch(0)
+        for v in (1, 2, 3):
+            publish(pub, v)
+        got = {n: t.to("cuda") for n, t in tensors}  # H2D DMA from the leased, page-locked views
+        assert bit_exact({n: t.cpu() for n, t in got.items()}, 100)
+        assert 0 in pub.store.retained
+        del tensors
+        pub.collect()
+        assert 0 in pub.store.collected
+    finally:
+        sub.close()
+        pub.close()
+
+
 # -- the lock protocol itself ------------------------------------------------------------------
 def test_reader_that_loses_the_race_to_a_recycle_reads_nothing(tmp_path):
     """Publisher locks first and renames the file away: a reader that opened the path before

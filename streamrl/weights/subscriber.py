@@ -19,7 +19,8 @@ a read lease on the version's file (:mod:`streamrl.weights.lease`): the publishe
 recycle a leased file, and the lease lives exactly as long as any tensor this fetch handed
 out, so the engine can only ever read the bytes that were verified, however long its load
 takes and however many versions are published meanwhile. Drop the tensors once loaded
-(:meth:`load` does) so the publisher can recycle the file.
+(:meth:`load` does) so the publisher can recycle the file; an engine that copies them
+asynchronously (``non_blocking`` H2D) must synchronize before it drops them.
 
 ``verify_threads``: torch intra-op threads for the checksums (set around each fetch and
 restored, so the engine keeps its own setting; the process-wide setting changes meanwhile).
