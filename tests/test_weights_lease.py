@@ -234,7 +234,7 @@ def _child(mode: str, redis_url: str, run: str, go: str) -> int:
 
 
 def _spawn(mode, redis_url, run_id, go):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen([sys.executable, __file__, mode, redis_url, run_id, str(go)], cwd=REPO, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
 
