@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+from collections import deque
 import os
 import warnings
 from pathlib import Path
@@ -120,7 +121,8 @@ class ShmStore:
         self.dir = directory or shm_dir()
         self.files: dict[int, VersionFile] = {}
         self.retained: dict[int, VersionFile] = {}  # collected, but a reader still holds a lease
-        self.collected: list[int] = []  # versions whose files were recycled or unlinked, in order
+        self.collected: deque[int] = deque(maxlen=1024)  # versions whose files were retired, in order
+        self._warned: set[int] = set()  # retained versions already logged
         self._spare: VersionFile | None = None
 
     def path(self, version: int) -> Path:
@@ -179,8 +181,8 @@ class ShmStore:
                 self._forget(v)
                 continue
             if fd is None:
-                if not getattr(vf, "_retain_logged", False):
-                    vf._retain_logged = True
+                if v not in self._warned:
+                    self._warned.add(v)
                     log.warning("weights v%d is still being read by a subscriber: keeping its file "
                                 "(%d kept beyond keep_versions=%d)", v, len(self.retained), self.keep)
                 continue
@@ -194,6 +196,7 @@ class ShmStore:
             finally:
                 os.close(fd)
             del self.retained[v]
+            self._warned.discard(v)
             self.collected.append(v)
         while len(self.retained) > self.max_retained:
             v = min(self.retained)
@@ -203,6 +206,7 @@ class ShmStore:
 
     def _forget(self, v: int) -> None:
         self._unlink(self.retained.pop(v))
+        self._warned.discard(v)
         self.collected.append(v)
 
     @staticmethod
