@@ -200,6 +200,9 @@ class RolloutWorker:
             tensors = list(tensors)  # two consumers
             self.reference.load_weights(tensors)
         self.engine.load_weights(tensors)
+        # the fetched views hold a read lease on the publisher's store file: let go before the
+        # parity probe, so the file can be recycled (streamrl.weights.lease)
+        del tensors
         self.subscriber.mark_loaded(self.wid, v)
         load_s = time.perf_counter() - t0
         if self.probes is not None:
