@@ -35,8 +35,10 @@ def test_sparkline_scales_and_gaps():
     assert sparkline([None, 1.0]) == " █"
 
 
-def _simulate(coord: Coordinator, steps: int, dt: float = 0.05, workers=(0, 1)):
-    """A learner and workers reporting like the real ones (cumulative counters)."""
+def _simulate(coord: Coordinator, steps: int, dt: float = 0.05, workers=(0, 1), learner_extra=None,
+              worker_extra=None):
+    """A learner and workers reporting like the real ones (cumulative counters).
+    ``learner_extra(step)`` / ``worker_extra(worker, step)``: more metrics for that report."""
     for s in range(1, steps + 1):
         coord.put_metrics("learner", {
             "learner/step": s, "learner/samples": 64 * s, "learner/trained_tokens_total": 384 * s,
@@ -47,12 +49,13 @@ def _simulate(coord: Coordinator, steps: int, dt: float = 0.05, workers=(0, 1)):
             "weights/bytes": 5e5, "weights/gather_s": 0.002, "weights/write_s": 0.004,
             "moe/router_entropy/layer0": 0.9, "moe/expert_usage_std/layer0": 0.2,
             "moe/router_entropy/layer1": 0.2, "moe/expert_usage_std/layer1": 1.3,
-            "transport/trajectories": 64 * s + 32,
+            "transport/trajectories": 64 * s + 32, **(learner_extra(s) if learner_extra else {}),
         })
         for w in workers:
             coord.put_metrics(f"rollout-{w}", {"rollout/generated_tokens": 200 * s, "rollout/trajectories": 32 * s,
                                                "rollout/version": s - 1, "rollout/reward_mean": 0.2,
-                                               "rollout/weights_load_s": 0.003})
+                                               "rollout/weights_load_s": 0.003,
+                                               **(worker_extra(w, s) if worker_extra else {})})
             coord.heartbeat(w, {"host": "h", "pid": 1, "device": "cpu", "version": s - 1,
                                 "state": "running", "incarnation": 1})
         coord.r.set(coord.keys.version, s)
@@ -98,6 +101,12 @@ def test_snapshot_rates_and_sections(simulated, redis_url, run_id):
         assert section in text, section
     assert "trained tokens/s" in text and "lag 1" in text and "alive" in text
     assert "0.2 BAD" in text and "1.3 BAD" in text  # layer 1 collapsed: entropy and usage both flagged
+    # no critic, no leases, no in-flight updates: none of their keys or lines
+    assert "critic" not in snap and "credit" not in snap
+    assert not {"retained_versions", "inflight_loads"} & set(snap["weights"])
+    assert all("inflight_loads" not in w for w in snap["workers"])
+    for absent in ("critic", "retained", "in-flight", "advantage credit"):
+        assert absent not in text, absent
 
 
 def test_worker_status_stale_restarting_dead(simulated, redis_url, run_id):
@@ -187,3 +196,91 @@ def test_cli_once_json_on_simulated_run(simulated, redis_url, run_id, python):
     p = subprocess.run([python, "-m", "streamrl.monitor.cli", "--redis-url", redis_url, "--run-id", run_id + "x",
                         "--once"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 3 and "not found" in p.stderr
+
+
+def _critic_metrics(s: int) -> dict[str, float]:
+    """A V-trace learner's extra metrics: the critic learns (loss down, EV up); two leased versions."""
+    return {"learner/value_loss": 1.0 / s, "learner/value_mean": 0.02 * s, "learner/vtrace_target_mean": 0.5,
+            "learner/explained_variance": -0.5 + s / 20, "learner/vtrace_advantage_abs_mean": 0.3,
+            "weights/retained_versions": 2.0, "weights/served_bytes": 1e6 * s}
+
+
+def _render_text(snap, width=130) -> str:
+    console = Console(record=True, width=width, color_system=None)
+    console.print(render(snap, "redis://x"))
+    return console.export_text()
+
+
+@pytest.fixture
+def simulated_vtrace(redis_url, run_id):
+    """A V-trace run with read leases and in-flight weight updates on worker 1 only."""
+    coord = Coordinator(redis_url, run_id)
+    coord.put_config({"run": {"name": "sim"}, "learner": {"loss": "vtrace", "advantage": "token"}})
+    for w in (0, 1):
+        coord.r.set(f"streamrl:{run_id}:incarnation:{w}", 1)
+    _simulate(coord, 20, learner_extra=_critic_metrics,
+              worker_extra=lambda w, s: {"rollout/inflight_loads": float(w * (s // 4))})
+    yield coord
+    coord.close()
+
+
+def test_new_signals_in_snapshot_and_screen(simulated_vtrace, redis_url, run_id, python):
+    builder = SnapshotBuilder(window_s=30)
+    source = RunSource(redis_url, run_id)
+    snap = take_snapshot(source, builder)
+    c = snap["critic"]
+    # window means over the learner reports of the last 30 s (all 20 here), as for reward_mean
+    learner = list(source.history["learner"])
+    assert len(learner) == 20
+    assert c["value_loss"] == pytest.approx(sum(e["learner/value_loss"] for e in learner) / 20)
+    assert c["explained_variance"] == pytest.approx(sum(-0.5 + s / 20 for s in range(1, 21)) / 20)
+    assert c["value_mean"] == pytest.approx(0.02 * 21 / 2) and c["advantage_abs_mean"] == pytest.approx(0.3)
+    assert c["target_mean"] == pytest.approx(0.5)
+    assert snap["weights"]["retained_versions"] == 2.0
+    assert snap["weights"]["inflight_loads"] == 20 // 4  # worker 0 none, worker 1 five loads
+    assert {w["id"]: w["inflight_loads"] for w in snap["workers"]} == {0: 0.0, 1: 5.0}
+    assert "credit" not in snap  # RunSource's State carries no config today
+
+    text = _render_text(snap)
+    assert "critic loss / EV" in text and "critic V / |A| vtrace" in text
+    assert f"{c['value_loss']:.3g} / {c['explained_variance']:.3g}" in text
+    assert "retained (leased)" in text and "in-flight loads" in text and "infl  state" in text.split("Workers")[1]
+    for section in SECTIONS:
+        assert section in text, section
+    narrow = _render_text(snap, width=80)  # 80 columns: the extra rows fit, nothing dropped
+    assert "critic loss / EV" in narrow and "retained (leased)" in narrow and "infl" in narrow and "alive" in narrow
+
+    # --once --json: the same new keys, the old ones unchanged
+    p = subprocess.run([python, "-m", "streamrl.monitor.cli", "--redis-url", redis_url, "--run-id", run_id,
+                        "--once", "--json", "--window", "30"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    js = json.loads(p.stdout)
+    assert js["critic"]["value_loss"] == pytest.approx(c["value_loss"])
+    assert js["weights"]["retained_versions"] == 2.0 and js["weights"]["inflight_loads"] == 5.0
+    assert set(js) - {"critic"} == set(SnapshotBuilder().build("r", {}, empty_state()))
+
+
+def test_credit_mode_and_negative_ev_flag():
+    state = empty_state(100.0)
+    state.config = {"learner": {"advantage": "token"}}  # a State that carries the run's config
+    learner = [{"time": 99.0, "learner/step": 1, "learner/value_loss": 0.5, "learner/explained_variance": -0.25}]
+    snap = SnapshotBuilder().build("r", {"learner": learner}, state)
+    assert snap["credit"] == {"advantage": "token"}
+    assert snap["critic"]["explained_variance"] == -0.25 and snap["critic"]["value_mean"] is None
+    text = _render_text(snap)
+    assert "advantage credit" in text and "token" in text and "-0.25 low" in text
+    state.config = {"learner": {"advantage": "sequence"}}  # the default is not worth a line
+    assert "advantage credit" not in _render_text(SnapshotBuilder().build("r", {"learner": learner}, state))
+
+
+def test_inflight_counter_at_zero_stays_off_screen():
+    """Today's rollout workers always report rollout/inflight_loads (0 with in-flight updates
+    off): the JSON carries the zeros, the screen shows no column or row for them."""
+    state = empty_state(100.0)
+    state.heartbeats = {0: {"time": 99.5, "version": 0, "incarnation": 1}}
+    state.incarnations = {0: 1}
+    state.latest = {"rollout-0": {"rollout/inflight_loads": 0.0}}
+    snap = SnapshotBuilder().build("r", {"rollout-0": [{"time": 99.0, "rollout/inflight_loads": 0.0}]}, state)
+    assert snap["weights"]["inflight_loads"] == 0 and snap["workers"][0]["inflight_loads"] == 0
+    text = _render_text(snap)
+    assert "alive" in text and "infl" not in text and "in-flight" not in text

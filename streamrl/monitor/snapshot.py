@@ -18,6 +18,12 @@ from typing import Any, Iterable
 
 LAYER_RE = re.compile(r"^moe/router_entropy/layer(\d+)$")
 HIST_PREFIX = "learner/staleness_hist/"
+# V-trace critic metrics (streamrl.learner.trainer / critic), snapshot name -> learner key
+CRITIC_KEYS = {"value_loss": "learner/value_loss", "value_mean": "learner/value_mean",
+               "target_mean": "learner/vtrace_target_mean",
+               "explained_variance": "learner/explained_variance",
+               "advantage_abs_mean": "learner/vtrace_advantage_abs_mean"}
+INFLIGHT_KEY = "rollout/inflight_loads"  # per-worker count of weight loads during a generate
 
 
 @dataclass
@@ -160,6 +166,10 @@ class SnapshotBuilder:
             "workers": self._workers(state, workers, now, t_lo, t_hi),
             "transport": {k: v for k, v in latest_l.items() if k.startswith("transport/")},
             "history": self._history(learner, workers, t_hi),
+            # new signals: keys appear only when a run reports them (a run without them
+            # snapshots exactly as before, so --json consumers see nothing new)
+            **self._critic(learner, latest_l, t_lo, t_hi),
+            **self._credit(state),
         }
 
     def _staleness(self, learner, latest) -> dict[str, Any]:
@@ -177,6 +187,21 @@ class SnapshotBuilder:
         return {"histogram": hist, "histogram_source": source, "mean": latest.get("learner/staleness_mean"),
                 "dropped_stale": dropped,
                 "dropped_frac": dropped / (dropped + samples) if dropped + samples > 0 else 0.0}
+
+    def _critic(self, learner, latest, t_lo, t_hi) -> dict[str, Any]:
+        """``{"critic": {...}}`` for a V-trace learner (``learner.loss = vtrace``), else ``{}``.
+        Window means like ``reward_mean``: one step's value loss is noisy."""
+        if not any(k in latest for k in CRITIC_KEYS.values()):
+            return {}
+        return {"critic": {name: _first(_window_mean(learner, key, t_lo, t_hi), latest.get(key))
+                           for name, key in CRITIC_KEYS.items()}}
+
+    @staticmethod
+    def _credit(state) -> dict[str, Any]:
+        """``{"credit": {"advantage": mode}}`` when the State carries the run's config (a
+        ``config`` attribute, absent from today's RunSource), else ``{}``."""
+        learner_cfg = (getattr(state, "config", None) or {}).get("learner") or {}
+        return {"credit": {"advantage": learner_cfg["advantage"]}} if "advantage" in learner_cfg else {}
 
     def _weights(self, latest, state, workers) -> dict[str, Any]:
         """Learner side: gather (full tensors from shards) and write into the data plane.
@@ -199,11 +224,17 @@ class SnapshotBuilder:
 
         def gbps(s):
             return nbytes / s / 1e9 if nbytes and s else None
-        return {"version": state.version, "bytes": nbytes, "gather_s": latest.get("weights/gather_s"),
-                "write_s": write_s, "publish_s": latest.get("weights/publish_s"),
-                "transfer_s": transfer_s, "verify_s": slowest.get("weights/verify_s"), "load_s": load_s,
-                "worker_version": slowest.get("weights/version"),
-                "write_gbps": gbps(write_s), "transfer_gbps": gbps(transfer_s), "load_gbps": gbps(load_s)}
+        out = {"version": state.version, "bytes": nbytes, "gather_s": latest.get("weights/gather_s"),
+               "write_s": write_s, "publish_s": latest.get("weights/publish_s"),
+               "transfer_s": transfer_s, "verify_s": slowest.get("weights/verify_s"), "load_s": load_s,
+               "worker_version": slowest.get("weights/version"),
+               "write_gbps": gbps(write_s), "transfer_gbps": gbps(transfer_s), "load_gbps": gbps(load_s)}
+        if "weights/retained_versions" in latest:  # store files kept past `keep` for leased readers
+            out["retained_versions"] = latest["weights/retained_versions"]
+        loads = [state.latest.get(p, {}).get(INFLIGHT_KEY) for p in workers]
+        if any(v is not None for v in loads):  # mid-generation weight swaps, summed over workers
+            out["inflight_loads"] = sum(v for v in loads if v is not None)
+        return out
 
     def _moe(self, latest) -> dict[str, Any]:
         th = self.thresholds
@@ -253,6 +284,8 @@ class SnapshotBuilder:
                 "heartbeat_age_s": now - hb["time"] if hb and "time" in hb else None,
                 "status": status, "incarnation": inc, "restarts": max(inc - 1, 0),
             })
+            if INFLIGHT_KEY in latest:
+                rows[-1]["inflight_loads"] = latest[INFLIGHT_KEY]
         return rows
 
     def _history(self, learner, workers, t_hi) -> dict[str, list[float | None]]:

@@ -81,7 +81,26 @@ def totals_panel(s: dict) -> Panel:
         ("reward train / gen", f"{fmt(t.get('reward_mean'))} / {fmt(t.get('rollout_reward_mean'))}"),
         (kl_label, fmt(t.get("mismatch_kl"))),
     ]
+    rows += critic_rows(s)
     return Panel(_kv_table(rows), title=f"Totals (last {s['window_s']:.0f} s)", box=box.SQUARE)
+
+
+def critic_rows(s: dict) -> list[tuple[str, str | Text]]:
+    """Learner-panel rows for a V-trace critic and token credit; none for runs without them.
+    EV = explained variance of the value targets (1 = V predicts them, <= 0 = no better than
+    their mean); a negative EV is flagged in words (colour does not survive every log)."""
+    rows: list[tuple[str, str | Text]] = []
+    c = s.get("critic")
+    if c:
+        ev = c.get("explained_variance")
+        ev_txt = Text(fmt(ev) + (" low" if ev is not None and ev < 0 else ""),
+                      style="yellow" if ev is not None and ev < 0 else "")
+        rows.append(("critic loss / EV", Text(f"{fmt(c.get('value_loss'))} / ") + ev_txt))
+        rows.append(("critic V / |A| vtrace", f"{fmt(c.get('value_mean'))} / {fmt(c.get('advantage_abs_mean'))}"))
+    mode = (s.get("credit") or {}).get("advantage")
+    if mode and mode != "sequence":  # the default (group-relative per sequence) is not shown
+        rows.append(("advantage credit", str(mode)))
+    return rows
 
 
 def history_panel(s: dict) -> Panel:
@@ -129,6 +148,10 @@ def weights_panel(s: dict) -> Panel:
                              ("transfer (worker)", "transfer_s", "transfer_gbps"),
                              ("load (worker)", "load_s", "load_gbps")):
         t.add_row(label, fmt_s(w.get(key)), f"{fmt(w.get(rate))} GB/s" if rate and w.get(rate) else "")
+    if "retained_versions" in w:  # versions kept on the store because a reader still leases them
+        t.add_row("retained (leased)", fmt(w["retained_versions"]), "versions")
+    if w.get("inflight_loads"):  # 0 = in-flight updates off, or none happened yet
+        t.add_row("in-flight loads", fmt(w["inflight_loads"]), "total")
     return Panel(t, title="Weights (last sync)", box=box.SQUARE)
 
 
@@ -153,16 +176,20 @@ def moe_panel(s: dict) -> Panel:
 
 def workers_panel(s: dict) -> Panel:
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, collapse_padding=True, pad_edge=False)
-    for col, just in (("id", "right"), ("host", "left"), ("device", "left"), ("ver", "right"),
-                      ("lag", "right"), ("tok/s", "right"), ("hb age", "right"), ("status", "left"),
-                      ("state", "left"), ("restarts", "right")):
+    # the in-flight loads column only while some worker swapped weights mid-generation
+    inflight = any(w.get("inflight_loads") for w in s["workers"])
+    cols = [("id", "right"), ("host", "left"), ("device", "left"), ("ver", "right"),
+            ("lag", "right"), ("tok/s", "right"), ("hb age", "right"), ("status", "left"),
+            *([("infl", "right")] if inflight else []), ("state", "left"), ("restarts", "right")]
+    for col, just in cols:
         # the state column gives way first on narrow terminals
         t.add_column(col, justify=just, no_wrap=True, overflow="ellipsis")
     for w in s["workers"]:
         age = w.get("heartbeat_age_s")
         t.add_row(str(w["id"]), w.get("host") or "-", w.get("device") or "-", fmt(w.get("version")),
                   fmt(w.get("lag")), fmt(w.get("tokens_per_s")), "-" if age is None else f"{age:.1f}s",
-                  Text(w["status"], style=STATUS_STYLE.get(w["status"], "")), w.get("state") or "-",
+                  Text(w["status"], style=STATUS_STYLE.get(w["status"], "")),
+                  *([fmt(w.get("inflight_loads"))] if inflight else []), w.get("state") or "-",
                   str(w.get("restarts", 0)))
     if not s["workers"]:
         t.add_row("-", "no rollout workers registered", *[""] * 8)
