@@ -239,7 +239,7 @@ def test_new_signals_in_snapshot_and_screen(simulated_vtrace, redis_url, run_id,
     assert snap["weights"]["retained_versions"] == 2.0
     assert snap["weights"]["inflight_loads"] == 20 // 4  # worker 0 none, worker 1 five loads
     assert {w["id"]: w["inflight_loads"] for w in snap["workers"]} == {0: 0.0, 1: 5.0}
-    assert "credit" not in snap  # RunSource's State carries no config today
+    assert snap["credit"] == {"advantage": "token"}  # RunSource reads the run's stored config
 
     text = _render_text(snap)
     assert "critic loss / EV" in text and "critic V / |A| vtrace" in text

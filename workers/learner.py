@@ -222,6 +222,8 @@ def main(argv=None) -> int:
                     "time": time.time(),
                     "wall_s": time.time() - t_start,
                     **receiver.stats(),
+                    # served bytes, versions kept for readers holding a lease (streamrl-monitor)
+                    **(publisher.stats() if publisher is not None else {}),
                 })
                 sink.write(metrics)
                 redis_sink.write(metrics)

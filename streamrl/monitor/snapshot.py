@@ -198,10 +198,11 @@ class SnapshotBuilder:
 
     @staticmethod
     def _credit(state) -> dict[str, Any]:
-        """``{"credit": {"advantage": mode}}`` when the State carries the run's config (a
-        ``config`` attribute, absent from today's RunSource), else ``{}``."""
+        """``{"credit": {"advantage": mode}}`` when the run's config (``State.config``) selects a
+        non-default advantage (``token``), else ``{}``: a default run's JSON keeps its keys."""
         learner_cfg = (getattr(state, "config", None) or {}).get("learner") or {}
-        return {"credit": {"advantage": learner_cfg["advantage"]}} if "advantage" in learner_cfg else {}
+        mode = learner_cfg.get("advantage", "sequence")
+        return {"credit": {"advantage": mode}} if mode != "sequence" else {}
 
     def _weights(self, latest, state, workers) -> dict[str, Any]:
         """Learner side: gather (full tensors from shards) and write into the data plane.

@@ -91,6 +91,7 @@ class State:
     incarnations: dict[int, int]
     latest: dict[str, dict[str, float]] = field(default_factory=dict)
     weight_timings: dict[int, dict[str, float]] = field(default_factory=dict)  # worker -> last fetch stages
+    config: dict[str, Any] = field(default_factory=dict)  # the run's stored config (read once)
 
 
 class RunSource:
@@ -104,6 +105,7 @@ class RunSource:
         self.history: dict[str, deque[dict[str, float]]] = {}
         self._last_id = None
         self._r = connect_fast(redis_url)
+        self._config: dict[str, Any] | None = None
 
     @property
     def keys(self) -> Keys:
@@ -148,8 +150,10 @@ class RunSource:
         res = pipe.execute()
         latest = {p: _floats(h) for p, h in zip(procs, res)}
         timings = {w: _floats(h) for w, h in zip(ids, res[len(procs):]) if h}
+        if self._config is None:  # the config does not change during a run: one read
+            self._config = _json_or_none(self._r.get(k.config)) or {}
         return State(time=time.time(), version=version, stop=stop, heartbeats=heartbeats,
-                     incarnations=incarnations, latest=latest, weight_timings=timings)
+                     incarnations=incarnations, latest=latest, weight_timings=timings, config=self._config)
 
     def _read_stream(self) -> None:
         k = self.keys
