@@ -257,7 +257,7 @@ def test_new_signals_in_snapshot_and_screen(simulated_vtrace, redis_url, run_id,
     js = json.loads(p.stdout)
     assert js["critic"]["value_loss"] == pytest.approx(c["value_loss"])
     assert js["weights"]["retained_versions"] == 2.0 and js["weights"]["inflight_loads"] == 5.0
-    assert set(js) - {"critic"} == set(SnapshotBuilder().build("r", {}, empty_state()))
+    assert set(js) - {"critic", "credit"} == set(SnapshotBuilder().build("r", {}, empty_state()))
 
 
 def test_credit_mode_and_negative_ev_flag():
