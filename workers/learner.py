@@ -328,9 +328,8 @@ def _replay(journal, after_step, receiver, buffer, ledger, control, log) -> None
             ledger.replayed += len(keep)
             journal.append(td)  # the new segment holds it too, until the next checkpoint
             n += len(keep)
-    lost = getattr(journal, "unreadable", 0)
-    if lost:
-        ledger.lost["journal_unreadable_entries"] += lost
+    if journal.unreadable:
+        ledger.lost["journal_unreadable_entries"] += journal.unreadable
     log.info("journal: replayed %d trajectories accepted after step %d", n, after_step)
 
 

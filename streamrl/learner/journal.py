@@ -52,6 +52,7 @@ class Journal:
         self.incarnation = 1 + max((_segment_key(s)[1] for s in segs), default=-1)
         self.entries = 0
         self.bytes = 0
+        self.unreadable = 0  # entries :meth:`replay` had to skip (counted as lost by the caller)
         self._open(after_step)
 
     def segments(self) -> list[Path]:
@@ -93,4 +94,4 @@ class Journal:
                     yield TensorDict(load_file(str(f)), batch_size=[])
                 except (SafetensorError, OSError, ValueError) as e:
                     log.error("journal entry %s unreadable (%s); its trajectories are lost", f, e)
-                    self.unreadable = getattr(self, "unreadable", 0) + 1
+                    self.unreadable += 1
