@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from urllib.parse import urlparse
 
-from streamrl.coord.coordinator import Coordinator
+from streamrl.coord.coordinator import Coordinator, redact
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "0:0:0:0:0:0:0:1"}
 
@@ -39,13 +39,6 @@ def check_redis_url(url: str) -> None:
     if u.scheme != "unix" and not is_loopback(u.hostname or "") and not u.password:
         raise LaunchError(f"--redis-url {redact(url)}: a Redis reachable from other hosts must require a password "
                           f"(redis://:PASSWORD@{u.hostname}:{u.port or 6379}/0)")
-
-
-def redact(url: str) -> str:
-    u = urlparse(url)
-    if not u.password:
-        return url
-    return url.replace(f":{u.password}@", ":***@", 1)
 
 
 def _glob_escape(s: str) -> str:

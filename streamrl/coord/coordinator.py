@@ -53,7 +53,7 @@ class OutageRetry(Retry):
     def __init__(self, url: str, outage_s: float = OUTAGE_S):
         super().__init__(ExponentialBackoff(cap=2.0, base=0.05), -1,
                          (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError, OSError))
-        self.where = _redact(url)
+        self.where = redact(url)
         self.outage_s = outage_s
         self.down_since: float | None = None
         self.outages = 0
@@ -85,11 +85,13 @@ class OutageRetry(Retry):
             return out
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for logs and --dry-run output)."""
     from urllib.parse import urlparse
 
     u = urlparse(url)
     return url.replace(f":{u.password}@", ":***@", 1) if u.password else url
+
 
 _MAX_SET = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
