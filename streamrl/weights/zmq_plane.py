@@ -104,10 +104,11 @@ class BucketClient:
         self.window = window
         self.socks = []
         self.poller = zmq.Poller()
+        keys = load_curve_keys("client")  # read once (env / key files), not per stream
         for _ in range(streams):
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
-            apply_client_keys(s, load_curve_keys("client"))
+            apply_client_keys(s, keys)
             s.connect(endpoint)
             self.poller.register(s, zmq.POLLIN)
             self.socks.append(s)
