@@ -38,6 +38,15 @@ def check_equal(got, tensors, target="hf"):
         assert torch.equal(got[n], t), n
 
 
+def flip_byte(path, offset: int, mask: int) -> None:
+    """XOR the byte at ``offset`` of the store file ``path`` with ``mask`` (a corrupted bucket)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ mask]))
+
+
 # -- unit ----------------------------------------------------------------------------------
 def test_layout_buckets_aligned_and_bounded():
     lay = Layout.plan(adapt_specs(SPECS, "vllm"), bucket_bytes=4096)
@@ -202,11 +211,7 @@ def test_corrupted_shm_bucket_is_never_loaded(redis_url, run_id):
     try:
         pub.publish(0, SPECS, iter(make_tensors(5)))
         path = coord.manifest(0)["path"]
-        with open(path, "r+b") as f:  # flip one byte inside the second bucket
-            f.seek(coord.manifest(0)["buckets"][1]["offset"] + 3)
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0x40]))
+        flip_byte(path, coord.manifest(0)["buckets"][1]["offset"] + 3, 0x40)  # inside the second bucket
         sub = WeightSubscriber(coord, plane="shm")
         engine = _Engine()
         with pytest.raises(ChecksumError):
@@ -341,11 +346,7 @@ def test_reused_mapping_sees_recycled_bytes_and_catches_corruption(redis_url, ru
         assert len(seen) == 2 and len(sub._readers._files) <= 2  # two files, mapped once each
         pub.publish(4, SPECS, iter(make_tensors(54)))
         m = coord.manifest(4)
-        with open(m["path"], "r+b") as f:
-            f.seek(m["buckets"][-1]["offset"] + 5)
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0x01]))
+        flip_byte(m["path"], m["buckets"][-1]["offset"] + 5, 0x01)
         engine = _Engine()
         with pytest.raises(ChecksumError):
             sub.load(engine, 1, 4)
@@ -370,7 +371,7 @@ def test_reader_cache_drops_unlinked_files(tmp_path):
     cache.open(paths[1], 4096)
     assert len(cache._files) == 1  # the unlinked file's mapping was released
     cache.open(paths[2], 4096)
-    cache.open(paths[0].with_name("f1.bin"), 4096)
+    cache.open(paths[1], 4096)
     assert len(cache._files) == 2
     with pytest.raises(FileNotFoundError):
         cache.open(paths[2], 8192)  # shorter than the manifest says: a file being recycled
@@ -398,11 +399,7 @@ def test_cuda_tensors_dma_into_pinned_store(redis_url, run_id):
             check_equal(((n, t.cpu()) for n, t in got), make_tensors(60 + v), "vllm")
         assert all(fd_vf[1].pinned for fd_vf in sub._readers._files.values())
         m = coord.manifest(2)
-        with open(m["path"], "r+b") as f:
-            f.seek(m["buckets"][0]["offset"] + 9)
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0x10]))
+        flip_byte(m["path"], m["buckets"][0]["offset"] + 9, 0x10)
         with pytest.raises(ChecksumError):
             sub.fetch(2)
     finally:
