@@ -337,7 +337,7 @@ def _accounted_groups(version, buffer, cfg) -> int:
     """What admission control's ``reserved - refunded`` should be with nothing in flight: one
     step's groups per version (skipped versions after a resume included, so a jump does not
     hand out extra capacity) plus the groups waiting in the buffer."""
-    return version * cfg.learner.groups_per_step + len(buffer._groups)
+    return version * cfg.learner.groups_per_step + buffer.pending_groups()
 
 
 def _bind_receiver(args, cfg, limits, coord, log):

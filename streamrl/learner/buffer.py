@@ -50,6 +50,10 @@ class StalenessBuffer:
     def complete_groups(self) -> int:
         return sum(len(g) >= self.group_size for g in self._groups.values())
 
+    def pending_groups(self) -> int:
+        """Groups waiting in the buffer, complete or not."""
+        return len(self._groups)
+
     def pending_trajectories(self) -> int:
         return sum(len(g) for g in self._groups.values())
 
