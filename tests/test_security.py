@@ -109,59 +109,51 @@ def _delivered(srv, cli, payload=b"trajectory") -> bool:
     return data == payload
 
 
-@pytestmark_curve
-def test_curve_encrypts_and_authenticates_real_sockets():
-    ctx = zmq.Context()
-    try:
-        s_pub, s_sec = generate_keypair()
-        c_pub, c_sec = generate_keypair()
-        srv, cli = _pair(ctx, lambda s: configure_curve_server(s, s_sec),
-                         lambda c: configure_curve_client(c, s_pub, c_pub, c_sec))
-        assert check_curve(srv) == "server" and check_curve(cli) == "client"
-        assert _delivered(srv, cli)
-        # a client that does not know the server key gets nothing through
-        bad_pub, _ = generate_keypair()
-        _, cli2 = _pair(ctx, lambda s: None, lambda c: configure_curve_client(c, bad_pub))
-        cli2.close()
-        srv3, cli3 = _pair(ctx, lambda s: configure_curve_server(s, s_sec),
-                           lambda c: configure_curve_client(c, bad_pub))
-        assert not _delivered(srv3, cli3)
-        # a plaintext client cannot talk to a CURVE server
-        srv4, cli4 = _pair(ctx, lambda s: configure_curve_server(s, s_sec), lambda c: None)
-        assert check_curve(cli4) == "off"
-        assert not _delivered(srv4, cli4)
-        for s in (srv, cli, srv3, cli3, srv4, cli4):
-            s.close()
-    finally:
-        stop_authenticator(ctx)
-        ctx.destroy(linger=0)
+@pytest.fixture
+def ctx():
+    """A ZeroMQ context whose ZAP thread (if a test started one) and sockets go with the test."""
+    c = zmq.Context()
+    yield c
+    stop_authenticator(c)
+    c.destroy(linger=0)
 
 
 @pytestmark_curve
-def test_curve_client_allow_list():
-    ctx = zmq.Context()
-    try:
-        s_pub, s_sec = generate_keypair()
-        ok_pub, ok_sec = generate_keypair()
-        srv, cli = _pair(ctx, lambda s: configure_curve_server(s, s_sec, clients=[ok_pub]),
-                         lambda c: configure_curve_client(c, s_pub, ok_pub, ok_sec))
-        assert _delivered(srv, cli)
-        other = ctx.socket(zmq.DEALER)
-        other.linger = 0
-        configure_curve_client(other, s_pub)  # valid key exchange, but not on the allow-list
-        other.connect(srv.getsockopt_string(zmq.LAST_ENDPOINT))
-        other.send(b"intruder")
-        assert not srv.poll(1500)
-        for s in (srv, cli, other):
-            s.close()
-        stop_authenticator(ctx)
-    finally:
-        stop_authenticator(ctx)
-        ctx.destroy(linger=0)
+def test_curve_encrypts_and_authenticates_real_sockets(ctx):
+    s_pub, s_sec = generate_keypair()
+    c_pub, c_sec = generate_keypair()
+    srv, cli = _pair(ctx, lambda s: configure_curve_server(s, s_sec),
+                     lambda c: configure_curve_client(c, s_pub, c_pub, c_sec))
+    assert check_curve(srv) == "server" and check_curve(cli) == "client"
+    assert _delivered(srv, cli)
+    # a client that does not know the server key gets nothing through
+    bad_pub, _ = generate_keypair()
+    srv3, cli3 = _pair(ctx, lambda s: configure_curve_server(s, s_sec),
+                       lambda c: configure_curve_client(c, bad_pub))
+    assert not _delivered(srv3, cli3)
+    # a plaintext client cannot talk to a CURVE server
+    srv4, cli4 = _pair(ctx, lambda s: configure_curve_server(s, s_sec), lambda c: None)
+    assert check_curve(cli4) == "off"
+    assert not _delivered(srv4, cli4)
 
 
 @pytestmark_curve
-def test_curve_keys_from_files_and_env(tmp_path):
+def test_curve_client_allow_list(ctx):
+    s_pub, s_sec = generate_keypair()
+    ok_pub, ok_sec = generate_keypair()
+    srv, cli = _pair(ctx, lambda s: configure_curve_server(s, s_sec, clients=[ok_pub]),
+                     lambda c: configure_curve_client(c, s_pub, ok_pub, ok_sec))
+    assert _delivered(srv, cli)
+    other = ctx.socket(zmq.DEALER)
+    other.linger = 0
+    configure_curve_client(other, s_pub)  # valid key exchange, but not on the allow-list
+    other.connect(srv.getsockopt_string(zmq.LAST_ENDPOINT))
+    other.send(b"intruder")
+    assert not srv.poll(1500)
+
+
+@pytestmark_curve
+def test_curve_keys_from_files_and_env(tmp_path, ctx):
     write_keypair(tmp_path, "server")
     write_keypair(tmp_path, "client")
     sec = tmp_path / "server.key_secret"
@@ -181,12 +173,5 @@ def test_curve_keys_from_files_and_env(tmp_path):
     with pytest.raises(SecurityError, match="readable by others"):
         read_keypair(tmp_path, "server")
     os.chmod(sec, 0o600)
-    ctx = zmq.Context()
-    try:
-        srv, cli = _pair(ctx, lambda s: apply_server_keys(s, server), lambda c: apply_client_keys(c, client))
-        assert _delivered(srv, cli)
-        srv.close()
-        cli.close()
-    finally:
-        stop_authenticator(ctx)
-        ctx.destroy(linger=0)
+    srv, cli = _pair(ctx, lambda s: apply_server_keys(s, server), lambda c: apply_client_keys(c, client))
+    assert _delivered(srv, cli)
