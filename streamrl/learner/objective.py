@@ -78,24 +78,22 @@ def compute_policy_loss(
         st["is_truncated_frac"] = float((raw[:, 0] > cfg.tis_cap).float().mean())
         return loss, st
     preset = LOSSES[cfg.loss]
-    if cfg.loss == "vtrace":
-        # PPO-clip on pi/pi_prox with the V-trace advantage (rather than IMPALA's plain
-        # -A log pi): with one optimizer step per batch the two have the same gradient (ratio 1);
-        # with minibatches > 1 the clip keeps later minibatches from overshooting.
-        loss, st = policy_loss(logp, prox_logp, behav_logp, advantages, mask, clip_low=cfg.clip_low,
-                               clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None, is_mode="none",
-                               agg=cfg.agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
-        _, raw = importance_weights(prox_logp, behav_logp, mask, "token-tis", cfg.vtrace_rho_bar)
-        m = mask.bool()
-        st["is_weight_mean"] = float(raw[m].mean()) if m.any() else 1.0
-        st["is_truncated_frac"] = float((raw[m] > cfg.vtrace_rho_bar).float().mean()) if m.any() else 0.0
-        return loss, st
-    return policy_loss(
+    loss, st = policy_loss(
         logp, prox_logp, behav_logp, advantages, mask,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,
         is_mode=preset["is_mode"], is_cap=cfg.tis_cap, coupled=preset.get("coupled", False),
         agg=cfg.agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len,
     )
+    if cfg.loss == "vtrace":
+        # PPO-clip on pi/pi_prox with the V-trace advantage (rather than IMPALA's plain
+        # -A log pi): with one optimizer step per batch the two have the same gradient (ratio 1);
+        # with minibatches > 1 the clip keeps later minibatches from overshooting. The IS weight
+        # is inside the advantage; report it against vtrace_rho_bar.
+        _, raw = importance_weights(prox_logp, behav_logp, mask, "token-tis", cfg.vtrace_rho_bar)
+        m = mask.bool()
+        st["is_weight_mean"] = float(raw[m].mean()) if m.any() else 1.0
+        st["is_truncated_frac"] = float((raw[m] > cfg.vtrace_rho_bar).float().mean()) if m.any() else 0.0
+    return loss, st
 
 
 def kl_term(cfg: LearnerConfig, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
