@@ -35,6 +35,7 @@ from streamrl.learner.trainer import Trainer
 from streamrl.metrics import JsonlSink, MultiSink, RateLimitedRedisSink, tensorboard_sink
 from streamrl.transport.channel import TrajectoryReceiver
 from streamrl.transport.codec import Limits
+from streamrl.trajectory import concat_trajectories, split_trajectories
 from streamrl.utils import die_with_parent, limit_threads, seed_everything, setup_logging
 from streamrl.weights.factory import make_publisher
 
@@ -311,14 +312,13 @@ def _admit(td, buffer, ledger, control, journal, log, replay: bool = False) -> b
 def _replay(journal, after_step, receiver, buffer, ledger, control, log) -> None:
     """Re-admit what the lost incarnation accepted after the checkpoint (dedup by trajectory id)."""
     n = 0
+    seen = getattr(receiver, "_seen", {})  # the receiver's dedup window (mark_seen below extends it)
     for td in journal.replay(after_step):
         ids = td["traj_id"].tolist()
-        seen = getattr(receiver, "_seen", {})
         keep = [i for i, t in enumerate(ids) if t not in seen]
         if not keep:
             continue
         if len(keep) < len(ids):
-            from streamrl.trajectory import concat_trajectories, split_trajectories
             parts = split_trajectories(td)
             td = concat_trajectories([parts[i] for i in keep])
         receiver.mark_seen([ids[i] for i in keep])
