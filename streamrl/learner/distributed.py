@@ -18,10 +18,6 @@ from streamrl.trajectory import ALL_FIELDS
 _MAX_NDIM = 3  # widest schema tensor (routed_experts [R, L, k])
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def broadcast_batch(td: TensorDict | None, src: int = 0) -> TensorDict:
     """Broadcast a packed trajectory batch (every schema key it holds) from ``src`` to all ranks."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -43,7 +39,7 @@ def broadcast_batch(td: TensorDict | None, src: int = 0) -> TensorDict:
         if row[0] == 0:
             continue
         dtype, shape = ALL_FIELDS[k][0], row[1: row[0]]
-        nbytes = math.prod(shape) * _itemsize(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         layout.append((k, dtype, shape, offset, nbytes))
         offset += (nbytes + 7) // 8 * 8  # 8-byte aligned slots: every dtype view stays legal
     buf = torch.zeros(offset, dtype=torch.uint8)
