@@ -149,7 +149,7 @@ class Supervisor:
             # the learner is away; it re-binds the same port, so what they queued is delivered.
             lr.stop(grace_s=0)
             self.state.reset_for_learner_restart(True)
-            self._old_endpoint = self.coord.r.get(self.coord.keys.endpoint("trajectories"))
+            self._old_endpoint = self.coord.get_endpoint("trajectories")
             for a in self.restart_args:
                 if a not in lr.cmd:
                     lr.cmd.append(a)
@@ -187,7 +187,7 @@ class Supervisor:
         if time.monotonic() > self._watch_endpoint_until:
             self._watch_endpoint_until = None
             return
-        ep = self.coord.r.get(self.coord.keys.endpoint("trajectories"))
+        ep = self.coord.get_endpoint("trajectories")
         if ep and ep != self._old_endpoint and self.learner.alive():
             self._watch_endpoint_until = None
             self.say(f"learner moved its trajectory endpoint ({self._old_endpoint} -> {ep}); restarting workers")

@@ -275,10 +275,14 @@ class Coordinator:
     def set_endpoint(self, name: str, endpoint: str) -> None:
         self.r.set(self.keys.endpoint(name), endpoint)
 
+    def get_endpoint(self, name: str) -> str | None:
+        """The endpoint published under ``name`` now, or None (no waiting)."""
+        return self.r.get(self.keys.endpoint(name))
+
     def wait_endpoint(self, name: str, timeout_s: float = 120.0) -> str:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            ep = self.r.get(self.keys.endpoint(name))
+            ep = self.get_endpoint(name)
             if ep:
                 return ep
             if self.stop_reason() is not None:
