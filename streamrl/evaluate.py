@@ -24,14 +24,7 @@ from streamrl.config import Config, load_config
 from streamrl.rewards import response_text
 from streamrl.tasks import get_task
 from streamrl.tasks.registry import Problem, eval_problems
-
-
-def encode_prompt(tok, text: str, chat_template: bool) -> list[int]:
-    """Token ids of a prompt, inside the model's chat template when asked and available."""
-    if chat_template and getattr(tok, "chat_template", None):
-        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False))
-    return tok.encode(text, add_special_tokens=False)
+from streamrl.workers.rollout import PromptEncoder
 
 
 @torch.no_grad()
@@ -39,11 +32,12 @@ def greedy_eval(model, tok, task, problems: list[Problem], *, chat_template: boo
                 batch_size: int = 32) -> dict[str, float]:
     """Greedy-decode every problem; returns ``accuracy`` (reward == 1), ``reward_mean`` and ``n``."""
     model.eval()
+    encode = PromptEncoder(tok, chat_template)  # the worker's encoding: eval prompts match training's
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rewards = []
     for lo in range(0, len(problems), batch_size):
         chunk = problems[lo: lo + batch_size]
-        ids = [encode_prompt(tok, p.prompt, chat_template) for p in chunk]
+        ids = [encode(p.prompt) for p in chunk]
         width = max(map(len, ids))
         inp = torch.full((len(ids), width), pad, dtype=torch.long)
         attn = torch.zeros_like(inp)
