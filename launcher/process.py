@@ -8,11 +8,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamrl.utils import die_with_parent_preexec
-
-# Children (and torchrun's ranks, which read this) ask the kernel for SIGTERM when their parent
-# dies, so a SIGKILLed launcher or torchrun agent leaves no orphans holding ports and devices.
-DIE_WITH_PARENT_ENV = "STREAMRL_DIE_WITH_PARENT"
+# Children (and torchrun's ranks, which read DIE_WITH_PARENT_ENV) ask the kernel for a signal
+# when their parent dies, so a SIGKILLed launcher or torchrun agent leaves no orphans holding
+# ports and devices.
+from streamrl.utils import DIE_WITH_PARENT_ENV, die_with_parent_preexec
 
 
 @dataclass

@@ -41,6 +41,19 @@ except (OSError, AttributeError):  # pragma: no cover - not Linux / no libc symb
     _prctl = None
 
 
+# Set by the launcher in its children's environment; torchrun passes it on to the ranks.
+DIE_WITH_PARENT_ENV = "STREAMRL_DIE_WITH_PARENT"
+
+
+def die_with_parent_if_launched(sig: int = signal.SIGTERM) -> bool:
+    """:func:`die_with_parent` when the launcher asked for it (``STREAMRL_DIE_WITH_PARENT=1``).
+
+    For processes whose parent is not the launcher itself: torchrun's ranks (the launcher's
+    ``preexec_fn`` covers its direct children, but the request is not inherited across fork).
+    """
+    return os.environ.get(DIE_WITH_PARENT_ENV) == "1" and die_with_parent(sig)
+
+
 def die_with_parent_preexec():
     """``preexec_fn`` for ``subprocess.Popen``: :func:`die_with_parent` when called on the main thread.
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from streamrl.utils import die_with_parent
+from streamrl.utils import DIE_WITH_PARENT_ENV, die_with_parent, die_with_parent_if_launched
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux only")
 
@@ -96,16 +96,18 @@ def test_torchrun_rank_with_the_env_dies_with_its_agent(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import os, signal, sys, time
         from pathlib import Path
-        from streamrl.utils import die_with_parent
-        if os.environ.get("STREAMRL_DIE_WITH_PARENT") == "1":
-            die_with_parent(signal.SIGKILL)
+        from streamrl.utils import die_with_parent_if_launched
+        # what streamrl.workers.learner.main() calls first; the real learner under a real launcher is
+        # tests/chaos/test_chaos.py::test_torchrun_agent_sigkilled_takes_its_rank_and_the_run_resumes
+        die_with_parent_if_launched(signal.SIGKILL)
         Path({str(tmp_path / 'rank')!r} + os.environ["RANK"]).write_text(str(os.getpid()))
         time.sleep(120)
     """))
     code = textwrap.dedent(f"""
         import os, subprocess, sys, time
         from pathlib import Path
-        env = {{**os.environ, "STREAMRL_DIE_WITH_PARENT": "1"}}
+        from streamrl.launcher.process import DIE_WITH_PARENT_ENV
+        env = {{**os.environ, DIE_WITH_PARENT_ENV: "1"}}
         agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                   "--nproc-per-node=1", {str(script)!r}], env=env)
         rank = Path({str(tmp_path / 'rank0')!r})
@@ -133,8 +135,14 @@ def test_torchrun_rank_with_the_env_dies_with_its_agent(tmp_path):
         holder.wait(10)
 
 
-def test_die_with_parent_reports_support():
-    assert die_with_parent.__doc__ and isinstance(die_with_parent(0), bool)  # signal 0 clears the request
+def test_die_with_parent_request_is_accepted_and_gated_by_the_env(monkeypatch):
+    # signal 0 clears the request, so asking leaves this test process as it was
+    assert die_with_parent(0) is True
+    monkeypatch.delenv(DIE_WITH_PARENT_ENV, raising=False)
+    assert die_with_parent_if_launched(0) is False
+    monkeypatch.setenv(DIE_WITH_PARENT_ENV, "1")
+    assert die_with_parent_if_launched(0) is True
+
 
 
 def test_a_child_started_from_a_short_lived_thread_is_not_tied_to_it(tmp_path):

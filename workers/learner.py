@@ -36,7 +36,7 @@ from streamrl.metrics import JsonlSink, MultiSink, RateLimitedRedisSink, tensorb
 from streamrl.transport.channel import TrajectoryReceiver
 from streamrl.transport.codec import Limits
 from streamrl.trajectory import concat_trajectories, split_trajectories
-from streamrl.utils import die_with_parent, limit_threads, seed_everything, setup_logging
+from streamrl.utils import die_with_parent_if_launched, limit_threads, seed_everything, setup_logging
 from streamrl.weights.factory import make_publisher
 
 # If no complete batch arrives for this long, assume reservations of dead workers leaked
@@ -60,11 +60,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if os.environ.get("STREAMRL_DIE_WITH_PARENT") == "1":
-        # a torchrun rank is in a session of its own: go when the agent goes. SIGKILL, not SIGTERM:
-        # the launcher restarts the job from the checkpoint + journal, and a rank still writing a
-        # checkpoint then would race the new learner reading it
-        die_with_parent(signal.SIGKILL)
+    # a torchrun rank is in a session of its own: go when the agent goes. SIGKILL, not SIGTERM:
+    # the launcher restarts the job from the checkpoint + journal, and a rank still writing a
+    # checkpoint then would race the new learner reading it
+    die_with_parent_if_launched(signal.SIGKILL)
     limit_threads()
     if "RANK" in os.environ and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("STREAMRL_BACKEND") != "gloo" else "gloo"
@@ -344,7 +343,7 @@ def _bind_receiver(args, cfg, limits, coord, log):
     """Bind the trajectory socket; on a resume, on the previous port if free, so workers that kept
     running reconnect by themselves and deliver what they queued during the outage."""
     if coord is not None:
-        old = coord.r.get(coord.keys.endpoint("trajectories"))
+        old = coord.get_endpoint("trajectories")
         if old:
             try:
                 return TrajectoryReceiver(f"tcp://{args.bind_host}:{old.rsplit(':', 1)[1]}", hwm=cfg.transport.hwm,
