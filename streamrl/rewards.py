@@ -176,7 +176,6 @@ def build_reward(spec: str = "task", task=None, reward_model: str = "", reward_m
             if task is None:
                 raise RewardSpecError("rollout.rewards names 'task' but no task was given")
             fn = task.reward
-            credit_fns.append(getattr(task, "token_credit", None))
         elif name in _REGISTRY:
             fn = _REGISTRY[name]
         elif ":" in name:
@@ -184,8 +183,7 @@ def build_reward(spec: str = "task", task=None, reward_model: str = "", reward_m
         else:
             raise RewardSpecError(f"rollout.rewards names {name!r}: unknown; known {available_rewards()} "
                                   "or 'package.module:function'")
-        if name != "task":
-            credit_fns.append(getattr(fn, "token_credit", None))
+        credit_fns.append(getattr(task if name == "task" else fn, "token_credit", None))
         names.append(name)
         weights.append(w)
         fns.append(fn)
