@@ -251,10 +251,11 @@ def token_rewards(tok, ids: list[int], char_credit: list[float], terminal: float
     eos = getattr(tok, "eos_token_id", None)
     last = ids.index(eos) if eos is not None and eos in ids else n - 1
     if any(char_credit):
-        ends = decoded_prefix_lengths(tok, ids)
+        # prefixes past the EOS decode to the same text: their credit is clamped to ``last``
+        ends = decoded_prefix_lengths(tok, ids[: last + 1])
         k = 0
         for c_idx, c in enumerate(char_credit):
-            while k < n and ends[k] <= c_idx:  # first token whose decoded prefix covers c_idx
+            while k < len(ends) and ends[k] <= c_idx:  # first token whose decoded prefix covers c_idx
                 k += 1
             out[min(k, last)] += c
     out[last] += terminal

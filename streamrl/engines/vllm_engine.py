@@ -209,6 +209,7 @@ class VLLMEngine:
         self.eos_id = self.tok.eos_token_id
         self._adapter = CheckpointNameAdapter(self.folder)
         self.updates = 0
+        self._warned_async = False  # in-flight stamps under async scheduling: said once
         self._ids = itertools.count()
         if record_routing and not self.native_routing:
             self.recorder = RouteRecorder(self._worker().model_runner)
@@ -279,7 +280,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
-        if engine.vllm_config.scheduler_config.async_scheduling and not getattr(self, "_warned_async", False):
+        if engine.vllm_config.scheduler_config.async_scheduling and not self._warned_async:
             self._warned_async = True
             log.warning("in-flight updates with async scheduling: a switch may be stamped one step early")
         if engine.has_unfinished_requests():
