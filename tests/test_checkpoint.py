@@ -72,7 +72,7 @@ def test_resume_is_bit_exact_single_rank(tmp_path):
     _compare(full, first, resumed)
 
 
-def test_keep_last_and_ep_mismatch(tmp_path):
+def test_keep_last_and_old_format_refused(tmp_path):
     tr = Trainer(_cfg(tmp_path))
     for s in (1, 2, 3):
         save_checkpoint(tmp_path / "ck", s, tr, {}, keep_last=2)
@@ -81,8 +81,9 @@ def test_keep_last_and_ep_mismatch(tmp_path):
     assert latest_checkpoint(tmp_path / "ck").name == "step_00000003"
     import json
     meta = tmp_path / "ck" / "step_00000003" / "learner_state.json"
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "ep": 2}))
-    with pytest.raises(CheckpointError, match="learner.ep = 2"):
+    old = {k: v for k, v in json.loads(meta.read_text()).items() if k != "format"}
+    meta.write_text(json.dumps({**old, "ep": 2}))  # what the per-ep-slice format wrote
+    with pytest.raises(CheckpointError, match="per-rank expert slices"):
         load_checkpoint(tmp_path / "ck" / "step_00000003", tr)
 
 
@@ -122,3 +123,43 @@ def test_resume_is_bit_exact_two_ranks(tmp_path, ep):
     first = spawn_gloo(_dist_run, 2, str(tmp_path), ep, "first", timeout_s=240)[0]
     resumed = spawn_gloo(_dist_run, 2, str(tmp_path), ep, "resume", timeout_s=240)[0]
     _compare(full, first, resumed)
+
+
+def _save_after_two_steps(rank, world, tmp, ep):
+    """Train 2 steps with ``ep`` and save; returns the full parameters and AdamW moments."""
+    tmp = __import__("pathlib").Path(tmp)
+    tr = Trainer(_cfg(tmp, ep))
+    for s in range(2):
+        tr.step(make_batch(100 + s))
+    save_checkpoint(tmp / "ck", 2, tr, {"version": 2})
+    return _params(tr)
+
+
+def _load_latest(rank, world, tmp, ep):
+    tmp = __import__("pathlib").Path(tmp)
+    tr = Trainer(_cfg(tmp, ep))
+    meta, _, _ = load_checkpoint(latest_checkpoint(tmp / "ck"), tr)
+    assert tr.steps_done == 2 and meta["ep"] != ep
+    return _params(tr)
+
+
+def _assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_written_with_ep2_loads_with_ep1_in_one_process(tmp_path):
+    saved = spawn_gloo(_save_after_two_steps, 2, str(tmp_path), 2, timeout_s=240)
+    _assert_same(saved[0], saved[1])
+    loaded = _load_latest(0, 1, str(tmp_path), 1)
+    _assert_same(saved[0], loaded)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_checkpoint_written_with_ep1_resumes_with_ep2(tmp_path):
+    saved = spawn_gloo(_save_after_two_steps, 2, str(tmp_path), 1, timeout_s=240)[0]
+    for loaded in spawn_gloo(_load_latest, 2, str(tmp_path), 2, timeout_s=240):
+        _assert_same(saved, loaded)

@@ -11,10 +11,15 @@ A checkpoint is a directory ``CKPT_DIR/step_00000012/`` holding
 * ``buffer.safetensors`` (rank 0, optional): the learner buffer's pending trajectories
   (packed) and the receiver's seen trajectory ids, so a resume loses and repeats nothing.
 
-Expert tensors are local slices ``[E / ep, ...]`` of this rank's ep group; each slice is saved
-under its own key (``<name>@ep<i>of<ep>``) by the ranks that hold it, so every expert is saved
-exactly once and a resume needs the same ``ep`` (checked, with a clear error). Dense tensors
-are FSDP DTensors and reshard freely across world sizes.
+* ``config.json`` (rank 0): the run's full config, so ``streamrl-export`` and ``streamrl-eval``
+  can rebuild the model from the checkpoint alone.
+
+Every tensor is saved with its global shape: dense tensors are FSDP DTensors and routed
+experts are described as DTensors ``[E, ...]`` over the ep x dp_shard mesh
+(:func:`~streamrl.parallel.expert_parallel.global_expert_view`), so DCP writes each expert
+once, with its offset, and reshards on load: a checkpoint written with ``ep = 2`` on 2 ranks
+resumes with ``ep = 1`` or ``ep = 4`` and loads in one process. RNG streams are restored only
+when the world size is the same (otherwise each rank keeps its fresh seed).
 
 Writes go to a hidden temp directory renamed into place after a barrier, so a crash during a
 save never leaves a half checkpoint that :func:`latest_checkpoint` would pick. Nothing here
@@ -32,9 +37,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from streamrl.parallel.expert_parallel import is_expert_param
+from streamrl.parallel.expert_parallel import global_expert_view, is_expert_param
 
 _PREFIX = "step_"
+# 2: experts as global tensors (reshardable). 1 (no "format" key): per-ep-rank expert slices
+# under "<name>@ep<i>of<ep>" keys, which only the same ep could read.
+FORMAT = 2
+CONFIG_FILE = "config.json"
 
 
 class CheckpointError(ValueError):
@@ -46,11 +55,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _key(name: str, trainer) -> str:
-    ep = trainer.mesh.dims.ep
-    return f"{name}@ep{trainer.mesh.ep_rank}of{ep}" if ep > 1 and is_expert_param(name) else name
-
-
 def _as_dtensor_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if hasattr(p, "device_mesh"):
         from torch.distributed.tensor import DTensor
@@ -59,25 +63,42 @@ def _as_dtensor_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _state(trainer) -> dict[str, torch.Tensor]:
-    """The DCP state dict of the trainer; tensors are the live ones (load works in place)."""
-    opt = trainer.optim
+    """The DCP state dict of the trainer; its tensors share storage with the live ones."""
+    opt, mesh = trainer.optim, trainer.mesh
     state: dict[str, torch.Tensor] = {"meta.steps_done": torch.tensor([trainer.steps_done], dtype=torch.int64)}
     for name, p in trainer.model.named_parameters():
-        k = _key(name, trainer)
-        state[f"model.{k}"] = p
+        view = (lambda t: global_expert_view(t, mesh)) if is_expert_param(name) else (lambda t: t)
+        state[f"model.{name}"] = view(p)
         st = opt.state[p]
         if not st:  # fresh optimizer (before the first step, or on load): materialise zeros
             st["step"] = torch.tensor(0.0)
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         for sk in ("exp_avg", "exp_avg_sq"):
-            state[f"optim.{k}.{sk}"] = st[sk]
-        state[f"optim.{k}.step"] = st["step"]
+            state[f"optim.{name}.{sk}"] = view(st[sk])
+        state[f"optim.{name}.step"] = st["step"]
     for name, t in trainer.router.ema.items():
         p = dict(trainer.router.params)[name]
         state[f"router_ema.{name}"] = _as_dtensor_like(t, p.data)
     return state
+
+
+def _live_tensors(trainer) -> dict[str, torch.Tensor]:
+    """The local tensors :func:`_state` wraps, by the same keys (to copy loaded values into)."""
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        out[f"model.{name}"] = _local(p.data)
+        st = trainer.optim.state[p]
+        for sk in ("exp_avg", "exp_avg_sq", "step"):
+            out[f"optim.{name}.{sk}"] = _local(st[sk])
+    for name, t in trainer.router.ema.items():
+        out[f"router_ema.{name}"] = t
+    return out
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -147,8 +168,10 @@ def save_checkpoint(root: Path, step: int, trainer, learner_state: dict[str, Any
             save_file(tensors, str(tmp / "buffer.safetensors"))
         if extra_tensors:
             save_file({k: v.contiguous() for k, v in extra_tensors.items()}, str(tmp / "extra.safetensors"))
-        meta = {"step": step, "world": trainer.world, "ep": trainer.mesh.dims.ep, **(learner_state or {})}
+        meta = {"step": step, "world": trainer.world, "ep": trainer.mesh.dims.ep, "format": FORMAT,
+                **(learner_state or {})}
         (tmp / "learner_state.json").write_text(json.dumps(meta, indent=1))
+        (tmp / CONFIG_FILE).write_text(json.dumps(trainer.cfg.to_dict(), indent=1))
     _barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -170,22 +193,18 @@ def load_checkpoint(path: Path, trainer) -> tuple[dict[str, Any], Any, list[int]
     from tensordict import TensorDict
 
     path = Path(path)
-    meta_file = path / "learner_state.json"
-    if not meta_file.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete or missing (no learner_state.json)")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("ep", 1) != trainer.mesh.dims.ep:
-        raise CheckpointError(f"checkpoint {str(path)!r} was written with learner.ep = {meta.get('ep')}, "
-                              f"this run has learner.ep = {trainer.mesh.dims.ep}; resume with the same ep")
+    meta = read_learner_state(path)
     state = _state(trainer)
     dcp.load(state, checkpoint_id=str(path))
     trainer.steps_done = int(state["meta.steps_done"][0])
-    for name, t in trainer.router.ema.items():
-        loaded = state[f"router_ema.{name}"]
-        t.copy_(loaded.to_local() if hasattr(loaded, "to_local") else loaded)
+    # DCP loads into the wrapped local tensors in place; copy where it handed back new ones.
+    for k, live in _live_tensors(trainer).items():
+        loaded = _local(state[k])
+        if loaded.data_ptr() != live.data_ptr():
+            live.copy_(loaded)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = path / f"rng_rank{rank}.safetensors"
-    if rng_file.is_file():  # same world size: restore this rank's streams exactly
+    if rng_file.is_file() and meta.get("world") == trainer.world:  # restore this rank's streams exactly
         _set_rng_state(load_file(str(rng_file)), json.loads((path / f"rng_rank{rank}.json").read_text()))
     items, seen = None, []
     buf = path / "buffer.safetensors"
@@ -195,6 +214,27 @@ def load_checkpoint(path: Path, trainer) -> tuple[dict[str, Any], Any, list[int]
         if t:
             items = TensorDict({k[len("traj."):]: v for k, v in t.items()}, batch_size=[])
     return meta, items, seen
+
+
+def read_learner_state(path: Path) -> dict[str, Any]:
+    """``learner_state.json`` of a complete checkpoint in the reshardable format, or CheckpointError."""
+    path = Path(path)
+    meta_file = path / "learner_state.json"
+    if not meta_file.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete or missing (no learner_state.json)")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format", 1) < FORMAT and meta.get("ep", 1) > 1:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds per-rank expert slices (learner.ep = {meta['ep']}, "
+                              f"an older StreamRL format); it cannot be resharded or exported")
+    return meta
+
+
+def read_run_config(path: Path):
+    """The run :class:`~streamrl.config.Config` stored in a checkpoint, or None (older checkpoints)."""
+    from streamrl.config import config_from_dict
+
+    f = Path(path) / CONFIG_FILE
+    return config_from_dict(json.loads(f.read_text())) if f.is_file() else None
 
 
 def load_extra(path: Path) -> dict[str, torch.Tensor]:

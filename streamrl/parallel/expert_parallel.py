@@ -111,6 +111,27 @@ def full_parameter(name: str, p: torch.Tensor, mesh: LearnerMesh) -> torch.Tenso
     return t.detach()
 
 
+def global_expert_view(t: torch.Tensor, mesh: LearnerMesh) -> torch.Tensor:
+    """An ep-sharded expert tensor as a DTensor of its global shape ``[E, ...]`` (no copy).
+
+    ``t`` is a routed-expert parameter or its optimizer state on this rank: ``[E / ep, ...]``,
+    FSDP-sharded over ``dp_shard`` (a DTensor) when the world has more ranks than ``ep``.
+    The result shares ``t``'s local storage and tells DCP where this shard sits in the global
+    tensor, so checkpoints hold every expert once, as one global tensor, and load back under
+    any ``ep`` or world size (or in one process). With ``ep = 1`` ``t`` is already global.
+    """
+    ep = mesh.dims.ep
+    if ep == 1:
+        return t
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    shape = (t.shape[0] * ep, *t.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh.expert_mesh, [Shard(0), Shard(0)], run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
 def full_parameters(model: nn.Module, mesh: LearnerMesh) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) one at a time; every rank must iterate to the end."""
     for name, p in model.named_parameters():

@@ -62,6 +62,7 @@ class LearnerMesh:
     rank: int
     dp_mesh: object | None = None  # 1-D DeviceMesh over all ranks (dense FSDP)
     mesh_2d: object | None = None  # 2-D DeviceMesh ("dp_shard", "ep")
+    expert_mesh: object | None = None  # the same ranks as ("ep", "dp_shard"); see build_mesh
 
     @property
     def ep_rank(self) -> int:
@@ -92,4 +93,14 @@ def build_mesh(ep: int = 1, device_type: str = "cpu", num_experts: int = 0) -> L
 
     dp = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     m2 = init_device_mesh(device_type, (dims.dp_shard, dims.ep), mesh_dim_names=("dp_shard", "ep"))
-    return LearnerMesh(dims, rank, dp, m2)
+    expert = None
+    if dims.ep > 1:
+        # An expert tensor [E, ...] is split into ep blocks first (rank's ep index), then each
+        # block is FSDP-sharded over dp_shard: in DTensor terms (Shard(0), Shard(0)) on a mesh
+        # whose OUTER dim is ep. The transpose of m2 is that mesh; checkpoints describe experts
+        # with it so DCP stores global tensors and reshards across ep.
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = m2.mesh.t().contiguous()
+        expert = DeviceMesh(device_type, ranks, mesh_dim_names=("ep", "dp_shard"))
+    return LearnerMesh(dims, rank, dp, m2, expert)
