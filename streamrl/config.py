@@ -292,10 +292,13 @@ class CheckpointConfig:
     keep_last: int = 2
     """Keep the newest this many step checkpoints; older ones are deleted."""
     save_on_stop: bool = True
-    """Also save when the run stops cleanly (steps done or stop requested)."""
+    """Also save when the run stops cleanly (steps done or stop requested), with an HF folder."""
+    hf_interval: int = 0
+    """Also write a Hugging Face folder (CKPT_DIR/hf/step_N) every this many steps; 0 = only on stop."""
 
     def validate(self, p: str) -> None:
         _check(self.save_interval >= 0, f"{p}.save_interval", self.save_interval, "must be >= 0")
+        _check(self.hf_interval >= 0, f"{p}.hf_interval", self.hf_interval, "must be >= 0")
         _check(self.keep_last >= 1, f"{p}.keep_last", self.keep_last, "must be >= 1")
 
 

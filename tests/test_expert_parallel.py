@@ -8,6 +8,7 @@ import torch
 
 from streamrl.config import ModelConfig
 from streamrl.models.factory import build_model
+from streamrl.models.families import RoutingSpec
 from streamrl.models.moe import EPMoEBlock, convert_moe_blocks, route
 from streamrl.parallel.mesh import ParallelConfigError, ParallelDims
 from streamrl.parallel.testing import spawn_gloo
@@ -27,7 +28,7 @@ def _block_and_inputs(seed=0, n=10):
 
 def test_ep1_block_matches_hf_block():
     _, hf, x = _block_and_inputs()
-    ours = EPMoEBlock(copy.deepcopy(hf), MCFG.experts_per_token, True)
+    ours = EPMoEBlock(copy.deepcopy(hf), RoutingSpec(MCFG.experts_per_token, True))
     x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     y_hf, y = hf(x1), ours(x2)
     assert torch.allclose(y_hf, y, atol=1e-6)

@@ -6,10 +6,11 @@ GEMM for the local experts, routing replay (R3) from the rollout's routed expert
 logits kept for the aux / z losses, and deterministic routing in eval mode.
 
 Parameter names stay those of transformers (``mlp.gate.weight``, ``mlp.experts.gate_up_proj``
-[E, 2I, H], ``mlp.experts.down_proj`` [E, H, I], Qwen2-MoE's ``mlp.shared_expert*``), so HF
+[E, 2I, H], ``mlp.experts.down_proj`` [E, H, I], Qwen2-MoE's ``mlp.shared_expert*``,
+DeepSeek's ``mlp.shared_experts.*`` and ``mlp.gate.e_score_correction_bias``), so HF
 checkpoints, the weights publisher and vLLM see the same names; only the expert tensors hold
-the ``E / ep`` local experts of this rank. Works for the fused-expert layout that Qwen3-MoE,
-Qwen2-MoE, Mixtral and OLMoE share in transformers 5.
+the ``E / ep`` local experts of this rank. Which families convert, and with which routing, is
+declared in :mod:`streamrl.models.families`; the rest are refused by :func:`convert_moe_blocks`.
 
 Dispatch per layer, for N tokens and top-k (S = N k assignments)::
 
@@ -22,6 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from streamrl.config import ConfigError
+from streamrl.models.families import MoEFamily, RoutingSpec, moe_family
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -44,30 +48,58 @@ def route(
     replay: torch.Tensor | None = None,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k softmax routing, optionally replaying given expert ids (R3).
+    """Top-k softmax routing (Qwen3-MoE, Mixtral, OLMoE); see :func:`route_spec`."""
+    return route_spec(logits, RoutingSpec(top_k, norm_topk_prob), replay, deterministic)
+
+
+def _top(x: torch.Tensor, k: int, deterministic: bool) -> torch.Tensor:
+    """Indices of the k largest entries of the last dim; ties to the lower index when deterministic."""
+    if deterministic:
+        return torch.argsort(x, dim=-1, descending=True, stable=True)[..., :k]
+    return torch.topk(x, k, dim=-1).indices
+
+
+def route_spec(
+    logits: torch.Tensor,
+    spec: RoutingSpec,
+    replay: torch.Tensor | None = None,
+    deterministic: bool = False,
+    choice_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A family's top-k routing, optionally replaying given expert ids (R3).
 
     Args:
         logits: [N, E] router logits.
+        spec: the family's routing (score function, groups, normalisation, scaling).
         replay: [N, k] int expert ids to use instead of the top-k, -1 where a row is not
             replayed (the whole row falls back to the router's own choice).
-        deterministic: break ties by the lower expert id (a stable sort), so evaluation routing
-            does not depend on the kernel's tie order.
+        deterministic: break ties by the lower expert (group) id (a stable sort), so
+            evaluation routing does not depend on the kernel's tie order.
+        choice_bias: [E] added to the scores for the choice only (DeepSeek-V3's
+            ``e_score_correction_bias``), or None.
     Returns:
         (weights [N, k] float32, expert ids [N, k] int64).
     """
-    probs = torch.softmax(logits.float(), dim=-1)
-    if deterministic:
-        idx = torch.argsort(probs, dim=-1, descending=True, stable=True)[:, :top_k]
-    else:
-        idx = torch.topk(probs, top_k, dim=-1).indices
+    logits = logits.float()
+    scores = torch.sigmoid(logits) if spec.score == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if choice_bias is None else scores + choice_bias.float()
+    if spec.n_group > 1:
+        n, e = choice.shape
+        grouped = choice.view(n, spec.n_group, e // spec.n_group)
+        g_score = grouped.topk(2, dim=-1).values.sum(-1) if spec.group_score == "top2_sum" else grouped.amax(-1)
+        keep = torch.zeros_like(g_score, dtype=torch.bool)
+        keep.scatter_(1, _top(g_score, spec.topk_group, deterministic), True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // spec.n_group, dim=1), float("-inf"))
+    idx = _top(choice, spec.top_k, deterministic)
     if replay is not None:
         replay = replay.to(device=idx.device, dtype=torch.int64)
         use = (replay >= 0).all(-1, keepdim=True)
         idx = torch.where(use, replay.clamp(min=0), idx)
-    w = probs.gather(-1, idx)
-    if norm_topk_prob:
-        w = w / w.sum(-1, keepdim=True)
-    return w, idx
+    w = scores.gather(-1, idx)
+    if spec.norm_topk_prob:
+        # DeepSeek-V3 adds 1e-20 (sigmoid weights can all be ~0); softmax weights never are
+        w = w / (w.sum(-1, keepdim=True) + (1e-20 if spec.score == "sigmoid" else 0.0))
+    return w * spec.scaling if spec.scaling != 1.0 else w, idx
 
 
 class LocalExperts(nn.Module):
@@ -114,38 +146,46 @@ class EPMoEBlock(nn.Module):
     ``last_router_logits`` ([N, E], with gradient) after it for the router losses and metrics.
     """
 
-    def __init__(self, hf_block: nn.Module, top_k: int, norm_topk_prob: bool, ep_rank: int = 0,
-                 ep_size: int = 1, ep_group=None, impl: str = "loop"):
+    def __init__(self, hf_block: nn.Module, routing: RoutingSpec, ep_rank: int = 0, ep_size: int = 1,
+                 ep_group=None, impl: str = "loop", shared: tuple[str, ...] = ()):
         super().__init__()
         experts = hf_block.experts
         self.num_experts = experts.gate_up_proj.shape[0]
         if self.num_experts % ep_size:
             raise ValueError(f"num_experts = {self.num_experts} is not divisible by ep = {ep_size}")
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.routing = routing
+        self.top_k = routing.top_k
         self.ep_rank, self.ep_size, self.ep_group = ep_rank, ep_size, ep_group
         self.n_local = self.num_experts // ep_size
         lo, hi = ep_rank * self.n_local, (ep_rank + 1) * self.n_local
-        self.gate = hf_block.gate  # keeps the name mlp.gate.weight
+        self.gate = hf_block.gate  # keeps the names mlp.gate.weight (and e_score_correction_bias)
         self.experts = LocalExperts(experts.gate_up_proj.data[lo:hi].clone(),
                                     experts.down_proj.data[lo:hi].clone(), experts.act_fn, impl)
-        self.shared_expert = getattr(hf_block, "shared_expert", None)
-        self.shared_expert_gate = getattr(hf_block, "shared_expert_gate", None)
+        # Shared experts under their HF attribute names: Qwen2-MoE's shared_expert with its
+        # sigmoid shared_expert_gate, DeepSeek's shared_experts (always added, no gate).
+        self.shared = tuple(shared)
+        for name in self.shared:
+            setattr(self, name, getattr(hf_block, name))
         self.replay: torch.Tensor | None = None
         self.last_router_logits: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
-        logits = F.linear(x, self.gate.weight)
+        r = self.routing
+        logits = F.linear(x.float(), self.gate.weight.float()) if r.fp32_logits else F.linear(x, self.gate.weight)
         self.last_router_logits = logits
-        w, idx = route(logits, self.top_k, self.norm_topk_prob, self.replay, deterministic=not self.training)
+        bias = getattr(self.gate, "e_score_correction_bias", None) if r.choice_bias else None
+        w, idx = route_spec(logits, r, self.replay, deterministic=not self.training, choice_bias=bias)
         y = self._dispatch_combine(x, idx)  # [N, k, H]
         out = (y * w.unsqueeze(-1).to(y.dtype)).sum(1).to(hidden.dtype)
-        if self.shared_expert is not None:
+        if "shared_expert" in self.shared:
             s = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
+            if "shared_expert_gate" in self.shared:
                 s = torch.sigmoid(self.shared_expert_gate(x)) * s
             out = out + s
+        if "shared_experts" in self.shared:
+            out = out + self.shared_experts(x)
         return out.reshape(shape)
 
     def _dispatch_combine(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -197,15 +237,23 @@ def convert_moe_blocks(model: nn.Module, ep_rank: int = 0, ep_size: int = 1, ep_
     """Swap every HF sparse-MoE block of ``model`` for an :class:`EPMoEBlock`, in layer order.
 
     Must run on the full (unsharded) model, identical on every rank; each rank keeps its own
-    experts slice. Returns the new blocks (empty for a dense model).
+    experts slice. Returns the new blocks (empty for a dense model). Raises :class:`ConfigError`
+    (one line naming the family and what is unsupported) for an MoE the block does not
+    reproduce exactly (see :mod:`streamrl.models.families`).
     """
-    cfg = model.config
-    top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
-    # Mixtral always renormalises the top-k weights; the others say so in their config.
-    norm = bool(getattr(cfg, "norm_topk_prob", True))
+    family: MoEFamily | None = moe_family(model.config)
+    found = find_moe_blocks(model)
+    if family is None:
+        if found:
+            raise ConfigError(f"model family {model.config.model_type!r}: has sparse-MoE blocks but its config "
+                              "declares no experts; not converted")
+        return []
+    if not found:
+        raise ConfigError(f"model family {family.name!r}: no fused-expert MoE blocks (mlp.gate + "
+                          f"mlp.experts.gate_up_proj) found in {type(model).__name__}")
     blocks = []
-    for name, mod in find_moe_blocks(model):
-        new = EPMoEBlock(mod, top_k, norm, ep_rank, ep_size, ep_group, impl)
+    for name, mod in found:
+        new = EPMoEBlock(mod, family.routing, ep_rank, ep_size, ep_group, impl, family.shared)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
         blocks.append(new)

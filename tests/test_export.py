@@ -1,0 +1,120 @@
+"""Model out: learner checkpoints (any world size / ep, dense or MoE, with a value head) and the
+live learner become HF folders whose ``AutoModelForCausalLM`` logits equal the learner's."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import make_batch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from streamrl.config import load_config
+from streamrl.export import export_checkpoint, main, write_hf_folder
+from streamrl.learner.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
+from streamrl.learner.trainer import Trainer
+from streamrl.models.tokenizer import build_char_tokenizer
+from streamrl.parallel.testing import spawn_gloo
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IDS = torch.tensor([[1, 5, 9, 4, 12, 7, 3, 18], [1, 11, 6, 6, 2, 19, 8, 10]])
+
+
+def _learner_logits(tr: Trainer) -> torch.Tensor:
+    """[B, T, V] logits of the learner's own (sharded, converted) model in eval mode."""
+    tr.model.eval()
+    with torch.no_grad():
+        out = tr.model(input_ids=IDS, attention_mask=torch.ones_like(IDS), use_cache=False).logits
+    tr.model.train()
+    return out.detach().float()
+
+
+def _hf_logits(folder: Path) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=IDS, attention_mask=torch.ones_like(IDS)).logits.float()
+
+
+def _assert_plain_hf_folder(folder: Path):
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names, names
+    shards = [p for p in folder.iterdir() if p.suffix == ".safetensors"]
+    assert shards
+    from safetensors import safe_open
+
+    keys = {k for s in shards for k in safe_open(str(s), "pt").keys()}
+    assert not any("value_head" in k for k in keys), "the V-trace value head must stay behind"
+    AutoTokenizer.from_pretrained(folder)
+
+
+def _train_save(rank, world, tmp, overrides):
+    """Train 2 steps, save a checkpoint, write an in-run HF folder; returns the learner's logits."""
+    tmp = Path(tmp)
+    torch.manual_seed(0)
+    cfg = load_config(f"{REPO}/configs/tiny.yaml", [f"run.run_dir={tmp}", "learner.lr=1e-2", *overrides])
+    tr = Trainer(cfg)
+    for s in range(2):
+        tr.step(make_batch(300 + s))
+    save_checkpoint(tmp / "checkpoints", 2, tr, {"version": 2})
+    write_hf_folder(tr, tmp / "live_hf")
+    return _learner_logits(tr)
+
+
+@pytest.mark.timeout(300)
+def test_moe_two_ranks_ep2_with_value_head_exports_exactly(tmp_path):
+    """The must-hold path: 2 learner ranks, ep = 2, V-trace head on; export in one process."""
+    ref = spawn_gloo(_train_save, 2, str(tmp_path), ["learner.ep=2", "learner.loss=vtrace"], timeout_s=240)
+    assert torch.equal(ref[0], ref[1])
+    out = tmp_path / "export"
+    assert main(["--run-dir", str(tmp_path), "--out", str(out)]) == 0
+    _assert_plain_hf_folder(out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_moe"
+    torch.testing.assert_close(_hf_logits(out), ref[0], atol=1e-5, rtol=0)
+    _assert_plain_hf_folder(tmp_path / "live_hf")  # write_hf_folder, gathered from the 2 ranks
+    torch.testing.assert_close(_hf_logits(tmp_path / "live_hf"), ref[0], atol=1e-5, rtol=0)
+
+
+def _tiny_llama_folder(folder: Path) -> Path:
+    """A tiny random dense LlamaForCausalLM folder with the character tokenizer."""
+    tok = build_char_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
+                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_dense_llama_export_bf16_and_errors(tmp_path):
+    src = _tiny_llama_folder(tmp_path / "src")
+    ref = _train_save(0, 1, str(tmp_path), [f"model.path={src}"])
+    out = tmp_path / "export"
+    info = export_checkpoint(latest_checkpoint(tmp_path / "checkpoints"), out)
+    assert info["step"] == 2 and info["world"] == 1
+    _assert_plain_hf_folder(out)
+    torch.testing.assert_close(_hf_logits(out), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(_hf_logits(tmp_path / "live_hf"), ref, atol=1e-5, rtol=0)
+    # bf16: half the bytes, logits within bf16 rounding
+    assert main(["--run-dir", str(tmp_path), "--out", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    torch.testing.assert_close(_hf_logits(tmp_path / "bf16"), ref, atol=0.1, rtol=0.05)
+    assert main(["--run-dir", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert main(["--run-dir", str(tmp_path), "--out", str(out), "--dtype", "int3"]) == 2
+    (latest_checkpoint(tmp_path / "checkpoints") / "config.json").unlink()  # an older checkpoint
+    with pytest.raises(CheckpointError, match="pass --config"):
+        export_checkpoint(latest_checkpoint(tmp_path / "checkpoints"), out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_smol_dense_export_matches_learner(tmp_path):
+    ref = _train_save(0, 1, str(tmp_path), [f"model.path={REPO}/models/smol"])
+    out = tmp_path / "export"
+    assert main(["--run-dir", str(tmp_path), "--out", str(out)]) == 0
+    _assert_plain_hf_folder(out)
+    torch.testing.assert_close(_hf_logits(out), ref, atol=1e-4, rtol=0)
