@@ -29,6 +29,7 @@ from pathlib import Path
 
 from streamrl.config import Config, ConfigError, config_from_dict, load_config
 from streamrl.launcher.runstate import LaunchError, check_redis_url, is_loopback, redact
+from streamrl.preflight import PreflightError, require_preflight
 from streamrl.placement import LAUNCH_ROLES, NodePlan, canonical_role, plan_node, uses_cuda
 
 BASE_ENV = {"OMP_NUM_THREADS": "1", "STREAMRL_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -83,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    # Intermixed: overrides may sit between flags (`--learners 2 learner.ep=2 --dry-run`).
+    return build_parser().parse_intermixed_args(argv)
 
 
 @dataclass
@@ -185,6 +187,8 @@ def prepare(args) -> Launch:
         config = None  # the head's config in Redis is what counts on a rollout host
     cfg = load_config(config, _overrides(args))
     plan = make_plan(args, cfg)
+    # Inputs, plug-ins and the learner layout, before any process starts (one line per problem).
+    require_preflight(cfg, plan.learner_world if plan.learner is not None else None)
     head = plan.learner is not None and plan.learner_node_rank == 0
     if plan.learner is not None:
         cfg.learner.device = plan.learner.device_arg  # ranks take cuda:LOCAL_RANK of their visible GPUs
@@ -271,6 +275,10 @@ def main(argv=None) -> int:
             return 0
         if args.resume and not learner_accepts("--resume"):
             raise LaunchError("--resume: this learner has no --resume flag (checkpointing not installed)")
+    except PreflightError as e:
+        for line in e.problems:
+            print(f"streamrl-launch: {line}", file=sys.stderr)
+        return 2
     except ConfigError as e:  # PlacementError and LaunchError are ConfigError / ValueError
         print(f"streamrl-launch: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -432,6 +433,34 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     return value
 
 
+def _nearest(key: str, known: set[str], prefix: str) -> str:
+    """``"; did you mean 'x.y'?"`` for the closest known name, or ``""`` if none is close.
+
+    Closest: a difflib match in the same section, else a name of the same section that the key
+    starts with (``lr_rate`` -> ``lr``), else the same name in another section
+    (``learner.temperature`` -> ``rollout.temperature``).
+
+    Examples:
+        >>> _nearest("max_new_token", {"max_new_tokens", "group_size"}, "rollout")
+        "; did you mean 'rollout.max_new_tokens'?"
+        >>> _nearest("temperature", {"lr"}, "learner")
+        "; did you mean 'rollout.temperature'?"
+    """
+    match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    if match:
+        return f"; did you mean '{prefix + '.' if prefix else ''}{match[0]}'?"
+    starts = sorted((k for k in known if key.startswith(k)), key=len, reverse=True)
+    if starts:
+        return f"; did you mean '{prefix + '.' if prefix else ''}{starts[0]}'?"
+    if prefix and "." not in prefix:
+        sections = typing.get_type_hints(Config)
+        elsewhere = [f"{name}.{key}" for name, tp in sections.items() if name != prefix and dataclasses.is_dataclass(tp)
+                     and key in {f.name for f in dataclasses.fields(tp)}]
+        if elsewhere:
+            return f"; did you mean '{elsewhere[0]}'?"
+    return ""
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"config section '{prefix or 'root'}' = {data!r}: expected a mapping")
@@ -440,7 +469,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for key in data:
         if key not in known:
             where = f"{prefix}.{key}" if prefix else key
-            raise ConfigError(f"config field '{where}' is unknown; known fields: {sorted(known)}")
+            raise ConfigError(f"config field '{where}' is unknown{_nearest(str(key), known, prefix)}; "
+                              f"known fields: {sorted(known)}")
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
