@@ -245,6 +245,12 @@ class LearnerConfig:
     """loss = vtrace: whiten the per-token advantages over the batch (a baseline until the critic has one)."""
     advantage: str = "sequence"
     """Advantages: sequence (GRPO, one per trajectory) or token (group-relative reward-to-go; needs rollout.token_rewards)."""
+    max_tokens_per_microbatch: int = 2048
+    """Token budget of one packed micro-batch (gradients accumulate over micro-batches; a longer sequence gets its own)."""
+    shared_prompt: bool = False
+    """Run a group's shared prompt once per micro-batch, every sample attending to it (same log-probs and gradients)."""
+    logprob_chunk_tokens: int = 512
+    """Response positions per chunk of the LM head + log-softmax (bounds the [chunk, vocab] fp32 temporary)."""
 
     def validate(self, p: str) -> None:
         _check(self.lr > 0, f"{p}.lr", self.lr, "must be > 0")
@@ -279,6 +285,9 @@ class LearnerConfig:
         _check(self.vtrace_c_bar > 0, f"{p}.vtrace_c_bar", self.vtrace_c_bar, "must be > 0")
         _check(self.advantage in ("sequence", "token"), f"{p}.advantage", self.advantage,
                "must be sequence or token")
+        _check(self.max_tokens_per_microbatch >= 1, f"{p}.max_tokens_per_microbatch", self.max_tokens_per_microbatch,
+               "must be >= 1")
+        _check(self.logprob_chunk_tokens >= 1, f"{p}.logprob_chunk_tokens", self.logprob_chunk_tokens, "must be >= 1")
         _check(self.advantage == "sequence" or self.loss not in ("gspo", "vtrace"), f"{p}.advantage",
                self.advantage, f"token advantages need a token-level loss, not learner.loss = {self.loss!r} "
                "(gspo weighs whole sequences; vtrace computes its own)")

@@ -14,64 +14,23 @@ import time
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from tensordict import TensorDict
 
 from streamrl.algorithms.advantages import group_advantages, token_group_advantages
 from streamrl.algorithms.moe_losses import load_balancing_loss, router_z_loss
-from streamrl.algorithms.regularizers import token_entropy
 from streamrl.config import Config, ConfigError
 from streamrl.learner.critic import (attach_value_head, critic_metrics, critic_targets, is_critic_param,
                                      response_mdp, value_head, value_loss, whiten_advantages)
+from streamrl.learner.logprobs import HeadRequest, response_head, token_logprobs
+from streamrl.learner.padded_reference import padded_routed_experts  # noqa: F401  (re-exported)
 from streamrl.learner.moe_router import RouterController, router_metrics
 from streamrl.learner.objective import compute_policy_loss, kl_term
+from streamrl.learner.packing import MicroBatch, ResponseGrid, rank_microbatches, response_grid, response_positions
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.models.moe import find_moe_blocks
 from streamrl.parallel.expert_parallel import full_parameter, global_param_specs, parallelize
 from streamrl.parallel.mesh import build_mesh
-from streamrl.trajectory import to_padded
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probs of the next tokens.
-
-    Args:
-        logits: [B, T, V] model outputs.
-        input_ids: [B, T] tokens.
-    Returns:
-        [B, T-1]: log softmax(logits[:, t] / temperature)[input_ids[:, t+1]].
-    """
-    lp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return lp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
-def moe_router_stats(router_logits, top_k: int) -> dict[str, float]:
-    """Per-layer router metrics of one process (kept for callers of the skeleton)."""
-    return router_metrics(list(router_logits or []), top_k)
-
-
-def padded_routed_experts(batch: TensorDict, t_max: int, layers: int) -> torch.Tensor | None:
-    """R3 replay ids aligned with the training positions, or None.
-
-    ``routed_experts[j]`` of a trajectory are the experts chosen at the forward position that
-    produced response token j, i.e. position ``prompt_len - 1 + j`` (the position whose
-    log-prob is trained). Other positions get -1 (route normally).
-
-    Returns:
-        [B, t_max, L, k] int64 or None when the batch has no ``routed_experts``.
-    """
-    if "routed_experts" not in batch.keys():
-        return None
-    re = batch["routed_experts"]
-    if re.shape[1] != layers:
-        raise ValueError(f"routed_experts has {re.shape[1]} layers, the model has {layers} MoE layers")
-    p_lens, r_lens = batch["prompt_lens"].tolist(), batch["response_lens"].tolist()
-    out = torch.full((len(p_lens), t_max, layers, re.shape[2]), -1, dtype=torch.int64)
-    ro = 0
-    for i, (p, r) in enumerate(zip(p_lens, r_lens)):
-        out[i, p - 1 : p - 1 + r] = re[ro : ro + r].long()
-        ro += r
-    return out
+from streamrl.trajectory import num_trajectories
 
 
 def clip_grad_norm(params, max_norm: float, group=None) -> float:
@@ -118,6 +77,7 @@ class Trainer:
         if lc.device.startswith("cuda"):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.top_k = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+        self.vocab_size = int(model.config.vocab_size)
         hf_blocks = find_moe_blocks(model)
         self.num_experts = int(hf_blocks[0][1].experts.gate_up_proj.shape[0]) if hf_blocks else 0
         self.is_moe = bool(hf_blocks)
@@ -149,75 +109,90 @@ class Trainer:
         return slice(lo, min(lo + per, n))
 
     def _forward(self, model, ids, attn, replay=None):
-        """Logits [B, T, V] and per-layer router logits [B*T, E] (replay: [B, T, L, k] or None)."""
-        logits, routers, _ = self._forward_values(model, ids, attn, replay, values=False)
-        return logits, routers
+        """Padded forward: logits [B, T, V] and per-layer router logits [B*T, E] (replay: [B, T, L, k] or None).
 
-    def _forward_values(self, model, ids, attn, replay=None, values=True):
-        """(logits [B, T, V], router logits per layer [B*T, E], values [B, T-1] or None).
-
-        ``values[:, t]`` is V at the position that predicts token t+1 (the ``token_logprobs``
-        grid); computed from the final hidden state only when asked and the critic is on.
+        Used by :meth:`evaluate_logprobs` and the padded reference step; training uses :meth:`_run`.
         """
-        values = values and self.critic and model is self.model
         for i, b in enumerate(self.blocks if model is self.model else []):
             b.replay = None if replay is None else replay[:, :, i].reshape(-1, replay.shape[-1]).to(self.device)
         try:
-            out = model(input_ids=ids, attention_mask=attn, use_cache=False, output_hidden_states=values)
+            out = model(input_ids=ids, attention_mask=attn, use_cache=False)
         finally:
             for b in self.blocks:
                 b.replay = None
         routers = [b.last_router_logits for b in self.blocks] if model is self.model else []
-        v = value_head(model)(out.hidden_states[-1][:, :-1]) if values else None
-        return out.logits, routers, v
+        return out.logits, routers
 
     def step(self, batch: TensorDict) -> dict[str, float]:
-        """One learner step (``minibatches`` optimizer steps) on a packed batch, same on every rank."""
+        """One learner step (``minibatches`` optimizer steps) on a packed batch, same on every rank.
+
+        Each minibatch is split over the ranks (contiguous trajectories), each rank's share is
+        packed into token-budget micro-batches (:mod:`streamrl.learner.packing`) whose gradients
+        accumulate before one optimizer step.
+        """
         t0 = time.perf_counter()
-        cfg, lc = self.cfg, self.cfg.learner
-        temp = cfg.rollout.temperature
-        padded = to_padded(batch, self.pad_id)
-        b_all, t_all = padded["input_ids"].shape
-        replay = padded_routed_experts(batch, t_all, len(self.blocks)) if (lc.routing_replay and self.blocks) else None
-        adv = self._advantages(padded)
-        if self.critic:  # per-token MDP of each response; group advantages are not used
-            padded["tok_reward"], padded["tok_done"], padded["resp"] = response_mdp(
-                batch["prompt_lens"].tolist(), batch["response_lens"].tolist(), padded["reward"], t_all - 1)
+        lc = self.cfg.learner
+        grid, adv, mbs, plans = self._prepare(batch)
+        n_all = num_trajectories(batch)
         self.model.train()
-        agg: dict[str, float] = {}
-        per_mb = math.ceil(b_all / lc.minibatches)
-        mbs = [list(range(j, min(j + per_mb, b_all))) for j in range(0, b_all, per_mb)]
         # The proximal policy: the weights before this batch's first update.
         prox_all = None
         if lc.minibatches > 1 and lc.loss != "ppo_coupled":
             with torch.no_grad():
-                prox_all = {}
-                for j, mb in enumerate(mbs):
-                    idx = self._rank_rows(mb)
-                    ids = padded["input_ids"][idx].to(self.device)
-                    logits, _ = self._forward(self.model, ids, padded["attention_mask"][idx].to(self.device),
-                                              None if replay is None else replay[idx])
-                    prox_all[j] = token_logprobs(logits, ids, temp)
+                prox_all = [[self._run(self.model, m, grid_width=grid.width)[0] for m in micro] for micro, _ in plans]
+        agg: dict[str, float] = {}
         for j, mb in enumerate(mbs):
-            m = self._train_minibatch(padded, adv, mb, replay, None if prox_all is None else prox_all[j])
+            m = self.train_minibatch(batch, grid, adv, mb, plans[j], None if prox_all is None else prox_all[j])
             for k, v in m.items():
                 agg[k] = agg.get(k, 0.0) + v / len(mbs)
+        mask = grid.loss_mask
         metrics = {
             **agg,
-            "learner/reward_mean": float(padded["reward"].mean()),
+            "learner/reward_mean": float(batch["reward"].mean()),
             "learner/advantage_abs_mean": (float(adv.abs().mean()) if adv.ndim == 1 else
-                                           float((adv.abs() * padded["loss_mask"]).sum() / padded["loss_mask"].sum().clamp(min=1))),
-            "learner/trained_tokens": float(padded["loss_mask"].sum()),
-            "learner/trajectories": float(b_all),
+                                           float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))),
+            "learner/trained_tokens": float(mask.sum()),
+            "learner/trajectories": float(n_all),
             "learner/compute_s": time.perf_counter() - t0,
         }
         if self.blocks:
             metrics["moe/router_frozen"] = float(self.router.frozen)
         return metrics
 
-    def _advantages(self, padded: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[B] GRPO advantages (``learner.advantage = sequence``) or [B, T-1] per-token
-        group-relative reward-to-go on the training grid (``token``).
+    def _prepare(self, batch: TensorDict):
+        """(response grid, advantages, minibatches as trajectory lists, each one's micro-batch plan)."""
+        grid = self._response_grid(batch)
+        adv = self._advantages(batch, grid)
+        n_all = num_trajectories(batch)
+        per_mb = math.ceil(n_all / self.cfg.learner.minibatches)
+        mbs = [list(range(j, min(j + per_mb, n_all))) for j in range(0, n_all, per_mb)]
+        return grid, adv, mbs, [self._microbatches(batch, mb) for mb in mbs]
+
+    def gradients(self, batch: TensorDict) -> dict[str, float]:
+        """The gradient of the whole batch's loss left in ``.grad`` (no optimizer step), and its
+        metrics: what :meth:`step` applies with ``minibatches = 1`` (the bench and tests compare it)."""
+        grid, adv, mbs, plans = self._prepare(batch)
+        self.model.train()
+        self.optim.zero_grad(set_to_none=True)
+        out: dict[str, float] = {}
+        for mb, plan in zip(mbs, plans):
+            out = self.train_minibatch(batch, grid, adv, mb, plan, optimizer_step=False)
+        return out
+
+    def _response_grid(self, batch: TensorDict) -> ResponseGrid:
+        g = ResponseGrid(loss_mask=response_grid(batch, "response_mask"),
+                         behav=response_grid(batch, "behaviour_logprobs"),
+                         positions=response_positions(batch))
+        if "token_rewards" in batch.keys():
+            g.token_rewards = response_grid(batch, "token_rewards")
+        if self.critic:  # per-token MDP of each response; group advantages are not used
+            r_lens = batch["response_lens"].tolist()
+            g.tok_reward, g.tok_done, g.resp = response_mdp([1] * len(r_lens), r_lens, batch["reward"], g.width)
+        return g
+
+    def _advantages(self, batch: TensorDict, grid: ResponseGrid) -> torch.Tensor:
+        """[B] GRPO advantages (``learner.advantage = sequence``) or [B, R] per-token
+        group-relative reward-to-go on the response grid (``token``).
 
         A ``token`` learner fails on a batch without ``token_rewards`` rather than falling back
         to sequence advantages: a silent fallback would make a token-credit run a GRPO run
@@ -225,96 +200,171 @@ class Trainer:
         """
         lc = self.cfg.learner
         if lc.advantage == "token":
-            if "token_rewards" not in padded:
+            if grid.token_rewards is None:
                 raise ValueError("learner.advantage = 'token' got a batch without token_rewards; "
                                  "run the rollout workers with rollout.token_rewards = true")
-            return token_group_advantages(padded["token_rewards"], padded["response_positions"], padded["group_id"],
+            return token_group_advantages(grid.token_rewards, grid.positions, batch["group_id"],
                                           normalize_std=lc.adv_std_norm)
-        return group_advantages(padded["reward"], padded["group_id"], normalize_std=lc.adv_std_norm)
+        return group_advantages(batch["reward"], batch["group_id"], normalize_std=lc.adv_std_norm)
 
-    def _rank_rows(self, mb: list[int]) -> list[int]:
-        sl = self.my_slice(len(mb))
-        rows = mb[sl]
-        return rows if rows else mb[:1]  # an idle rank joins the collectives with a dummy row
-
-    def _train_minibatch(self, padded, adv, mb, replay, prox) -> dict[str, float]:
+    def _microbatches(self, batch: TensorDict, mb: list[int]) -> tuple[list[MicroBatch], list[float]]:
+        """This rank's micro-batches of minibatch ``mb`` and the global token weight of each index."""
         lc = self.cfg.learner
-        temp = self.cfg.rollout.temperature
-        idle = not mb[self.my_slice(len(mb))]
-        idx = self._rank_rows(mb)
-        ids = padded["input_ids"][idx].to(self.device)
-        attn = padded["attention_mask"][idx].to(self.device)
-        mask = padded["loss_mask"][idx].to(self.device) * (0.0 if idle else 1.0)
-        behav = padded["behaviour_logprobs"][idx].to(self.device)
-        a = adv[idx].to(self.device) * (0.0 if idle else 1.0)
-        g_mask = padded["loss_mask"][mb]
-        n_tok = float(g_mask.sum().clamp(min=1)) / self.world
+        per = math.ceil(len(mb) / self.world)
+        rank_rows = [mb[min(r * per, len(mb)) : min((r + 1) * per, len(mb))] for r in range(self.world)]
+        layers = len(self.blocks) if (lc.routing_replay and self.blocks) else 0
+        return rank_microbatches(batch, rank_rows, self.rank, lc.max_tokens_per_microbatch, lc.shared_prompt, layers)
+
+    def _run(self, model, mb: MicroBatch, grid_width: int, entropy: bool = False, values: bool = False):
+        """Forward one micro-batch; returns response-grid tensors ``[b, R]``
+        (logp, entropy or None, values or None) and the router logits per layer ``[N, E]``."""
+        lc = self.cfg.learner
+        policy = model is self.model
+        values = values and self.critic and policy
+        req = HeadRequest(mb.targets.to(self.device), self.cfg.rollout.temperature, lc.logprob_chunk_tokens,
+                          entropy, value_head(model) if values else None)
+        for i, b in enumerate(self.blocks if policy else []):
+            b.replay = None if mb.replay is None else mb.replay[:, i].to(self.device)
+        try:
+            with response_head(model, req):
+                out = model(input_ids=mb.input_ids.to(self.device), position_ids=mb.position_ids.to(self.device),
+                            attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(self.device),
+                            use_cache=False, logits_to_keep=mb.select.to(self.device))
+        finally:
+            for b in self.blocks:
+                b.replay = None
+        res = out.logits[0]  # [n, 3]: logp, entropy, value per selected position
+        routers = [b.last_router_logits for b in self.blocks] if policy else []
+        return (mb.to_grid(res[:, 0], grid_width), mb.to_grid(res[:, 1], grid_width) if entropy else None,
+                mb.to_grid(res[:, 2], grid_width) if values else None, routers)
+
+    def train_minibatch(self, batch: TensorDict, grid: ResponseGrid, adv: torch.Tensor, mb: list[int],
+                        plan: tuple[list[MicroBatch], list[float]], prox: list[torch.Tensor] | None = None,
+                        optimizer_step: bool = True) -> dict[str, float]:
+        """Accumulate the gradient of minibatch ``mb`` over this rank's micro-batches, then
+        (``optimizer_step``) clip and step. The gradient is that of one loss over the whole
+        minibatch: every term is normalised by global counts (``learner.agg``), and the router
+        losses by each micro-batch's share of the global tokens.
+        """
+        lc = self.cfg.learner
+        micro, weights = plan
+        width = grid.width
+        n_tok = float(grid.loss_mask[mb].sum().clamp(min=1)) / self.world
         n_seq = float(len(mb)) / self.world
         norm_len = float(self.cfg.rollout.max_new_tokens)
-        logits, routers, values = self._forward_values(self.model, ids, attn, None if replay is None else replay[idx])
-        logp = token_logprobs(logits, ids, temp)
-        prox_logp = logp.detach() if prox is None else prox
-        crit: dict[str, float] = {}
-        if self.critic:
-            resp = padded["resp"][idx].to(self.device)
-            vs, a = critic_targets(values, prox_logp - behav, padded["tok_reward"][idx].to(self.device),
-                                   padded["tok_done"][idx].to(self.device), resp, lc.gamma,
-                                   lc.vtrace_rho_bar, lc.vtrace_c_bar)
-            v_loss = value_loss(values, vs, mask, n_tok)
-            crit = {"learner/value_loss": float(v_loss.detach()),
-                    # global token mean after the rank average (n_tok is global / world)
-                    "learner/vtrace_advantage_abs_mean": float((a.abs() * mask).sum()) / n_tok,
-                    **critic_metrics(values, vs, mask, self.mesh.dp_group)}
-            if lc.vtrace_adv_norm:
-                a = whiten_advantages(a, mask, self.mesh.dp_group)
-        pg_loss, stats = compute_policy_loss(lc, logp, prox_logp, behav, a, mask, n_tok, n_seq, norm_len)
-        loss = pg_loss
-        if self.critic:
-            loss = loss + lc.value_coef * v_loss
-        metrics = {**crit,"learner/loss": float(pg_loss.detach()), "learner/clip_frac": stats["clip_frac"],
-                   "learner/is_weight_mean": stats["is_weight_mean"],
-                   "learner/is_truncated_frac": stats["is_truncated_frac"]}
-        if self.ref_model is not None:
+        total_w = max(sum(weights), 1.0)
+        want_ent = lc.entropy_coef > 0 or self.vocab_size <= 4096
+        crit_pre = self._critic_prepass(grid, micro, width, prox) if self.critic and len(micro) > 1 else None
+        if optimizer_step:
+            self.optim.zero_grad(set_to_none=True)
+        acc: dict[str, float] = {}
+        tok_sum, diff_sum = 0.0, 0.0
+
+        def add(k: str, v: float) -> None:
+            acc[k] = acc.get(k, 0.0) + v
+
+        for i, m in enumerate(micro):
+            live = 0.0 if m.dummy else 1.0
+            logp, ent, values, routers = self._run(self.model, m, width, entropy=want_ent, values=True)
+            mask = (grid.loss_mask[m.rows] * live).to(self.device)
+            behav = grid.behav[m.rows].to(self.device)
+            a = adv[m.rows].to(self.device) * live
+            prox_logp = logp.detach() if prox is None else prox[i]
+            loss = torch.zeros((), device=self.device)
+            if self.critic:
+                vs, a = crit_pre[i] if crit_pre is not None else self._critic_targets(grid, m.rows, values, prox_logp, mask)
+                v_loss = value_loss(values, vs, mask, n_tok)
+                loss = loss + lc.value_coef * v_loss
+                add("learner/value_loss", float(v_loss.detach()))
+                add("learner/vtrace_advantage_abs_mean", float((a.abs() * mask).sum()) / n_tok)
+                for k, v in critic_metrics(values, vs, mask, self.mesh.dp_group).items():
+                    add(k, v / len(micro))
+            pg_loss, stats = compute_policy_loss(lc, logp, prox_logp, behav, a, mask, n_tok, n_seq, norm_len)
+            loss = loss + pg_loss
+            n_m = float(mask.sum())
+            add("learner/loss", float(pg_loss.detach()))
+            for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
+                add(f"learner/{k}", stats[k] * n_m)
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logp = self._run(self.ref_model, m, width)[0]
+                kl = kl_term(lc, logp, ref_logp, mask, n_tok, n_seq, norm_len)
+                loss = loss + lc.kl_coef * kl
+                add("learner/kl_ref", float(kl.detach()))
+            if want_ent:
+                ent_term = (ent * mask).sum() / n_tok
+                if lc.entropy_coef > 0:
+                    loss = loss - lc.entropy_coef * ent_term
+                add("learner/entropy", float(ent_term.detach()))
+            if routers:
+                share = weights[i] / total_w
+                tok_w = m.token_weight.to(self.device)
+                group = self.mesh.dp_group
+                aux = load_balancing_loss(routers, self.num_experts, self.top_k, tok_w, group, scale=self.world)
+                add("moe/aux_loss", float(aux.detach()) * share / self.world)
+                if lc.aux_loss_coef > 0:
+                    loss = loss + lc.aux_loss_coef * share * aux
+                if lc.z_loss_coef > 0:
+                    z = router_z_loss(routers, tok_w, group, scale=self.world)
+                    loss = loss + lc.z_loss_coef * share * z
+                    add("moe/z_loss", float(z.detach()) * share / self.world)
+                for k, v in router_metrics(routers, self.top_k, tok_w, group).items():
+                    add(k, v * share)
+            loss.backward()
             with torch.no_grad():
-                ref_logits, _ = self._forward(self.ref_model, ids, attn)
-                ref_logp = token_logprobs(ref_logits, ids, temp)
-            kl = kl_term(lc, logp, ref_logp, mask, n_tok, n_seq, norm_len)
-            loss = loss + lc.kl_coef * kl
-            metrics["learner/kl_ref"] = float(kl.detach())
-        if lc.entropy_coef > 0 or logits.shape[-1] <= 4096:
-            with torch.set_grad_enabled(lc.entropy_coef > 0):
-                ent = (token_entropy(logits[:, :-1], temp) * mask).sum() / n_tok
-            if lc.entropy_coef > 0:
-                loss = loss - lc.entropy_coef * ent
-            metrics["learner/entropy"] = float(ent.detach())
-        if routers:
-            tok_mask = attn.reshape(-1).float() * (0.0 if idle else 1.0)
-            group = self.mesh.dp_group
-            aux = load_balancing_loss(routers, self.num_experts, self.top_k, tok_mask, group, scale=self.world)
-            metrics["moe/aux_loss"] = float(aux.detach()) / self.world
-            if lc.aux_loss_coef > 0:
-                loss = loss + lc.aux_loss_coef * aux
-            if lc.z_loss_coef > 0:
-                z = router_z_loss(routers, tok_mask, group, scale=self.world)
-                loss = loss + lc.z_loss_coef * z
-                metrics["moe/z_loss"] = float(z.detach()) / self.world
-            metrics.update(router_metrics(routers, self.top_k, tok_mask, group))
-            self.router.update_freeze(self.steps_done, metrics)
-        self.optim.zero_grad(set_to_none=True)
-        loss.backward()
-        self.router.drop_grads()
-        grad_norm = clip_grad_norm(self.model.parameters(), lc.grad_clip, self.mesh.dp_group)
-        self.optim.step()
-        if self.router.ema:
-            self.router.update_ema()
-        self.steps_done += 1
+                tok_sum += n_m
+                diff_sum += float(((behav - logp.detach()).abs() * mask).sum())
+        metrics = dict(acc)
+        for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
+            metrics[f"learner/{k}"] = acc[f"learner/{k}"] / tok_sum if tok_sum else (1.0 if k == "is_weight_mean" else 0.0)
+        metrics["learner/behaviour_logprob_abs_diff"] = diff_sum / tok_sum if tok_sum else 0.0
+        if optimizer_step:
+            if routers:
+                self.router.update_freeze(self.steps_done, metrics)
+            self.router.drop_grads()
+            metrics["learner/grad_norm"] = clip_grad_norm(self.model.parameters(), lc.grad_clip, self.mesh.dp_group)
+            self.optim.step()
+            if self.router.ema:
+                self.router.update_ema()
+            self.steps_done += 1
+        return self._reduce_metrics(metrics)
+
+    def _critic_targets(self, grid: ResponseGrid, rows: list[int], values, prox_logp, mask):
+        """(V-trace targets [b, R], per-token policy advantages [b, R]) of trajectories ``rows``."""
+        lc = self.cfg.learner
+        behav = grid.behav[rows].to(self.device)
+        vs, a = critic_targets(values, prox_logp - behav, grid.tok_reward[rows].to(self.device),
+                               grid.tok_done[rows].to(self.device), grid.resp[rows].to(self.device),
+                               lc.gamma, lc.vtrace_rho_bar, lc.vtrace_c_bar)
+        if lc.vtrace_adv_norm:
+            a = whiten_advantages(a, mask, self.mesh.dp_group)
+        return vs, a
+
+    def _critic_prepass(self, grid: ResponseGrid, micro: list[MicroBatch], width: int,
+                        prox: list[torch.Tensor] | None):
+        """V-trace targets and advantages of every micro-batch before any backward.
+
+        Why a pass of its own: advantage whitening needs the statistics of the whole minibatch,
+        and the targets depend on the values; without gradient this costs one forward.
+        """
         with torch.no_grad():
-            m = mask.bool()
-            mismatch = float((behav - logp.detach())[m].abs().mean()) if m.any() else 0.0
-        metrics["learner/behaviour_logprob_abs_diff"] = mismatch
-        # Rank-local numbers (each rank saw its slice) -> the mean over ranks, same everywhere.
-        # The router losses' per-rank values are shares of the global loss -> their sum.
-        local = [k for k in metrics if k.startswith("learner/")]
+            outs = [self._run(self.model, m, width, values=True) for m in micro]
+        rows = [r for m in micro for r in m.rows]
+        live = torch.cat([torch.full((len(m.rows), 1), 0.0 if m.dummy else 1.0) for m in micro])
+        values = torch.cat([o[2] for o in outs])
+        logp = torch.cat([o[0] for o in outs] if prox is None else prox)
+        mask = (grid.loss_mask[rows] * live).to(self.device)
+        vs, a = self._critic_targets(grid, rows, values, logp, mask)
+        out, lo = [], 0
+        for m in micro:
+            out.append((vs[lo : lo + len(m.rows)], a[lo : lo + len(m.rows)]))
+            lo += len(m.rows)
+        return out
+
+    def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Rank-local numbers (each rank saw its slice) -> the mean over ranks, same everywhere.
+        The router losses' per-rank values are shares of the global loss -> their sum."""
+        local = [k for k in metrics if k.startswith("learner/") and k != "learner/grad_norm"]
         shares = [k for k in ("moe/aux_loss", "moe/z_loss") if k in metrics]
         if self.world > 1:
             import torch.distributed as dist
@@ -324,7 +374,6 @@ class Trainer:
             vals = t.tolist()
             metrics.update({k: v / self.world for k, v in zip(local, vals)})
             metrics.update(dict(zip(shares, vals[len(local):])))
-        metrics["learner/grad_norm"] = grad_norm
         return metrics
 
     def evaluate_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

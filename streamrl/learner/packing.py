@@ -1,0 +1,275 @@
+"""Padding-free micro-batches: trajectories packed into token-budget rows.
+
+Why: a padded ``[B, T]`` batch spends compute on padding and, worse, makes every later step
+(LM head, log-softmax) run on every position. A micro-batch here is ONE row of concatenated
+sequences, at most ``learner.max_tokens_per_microbatch`` tokens, with position ids that
+restart for each sequence. Attention never crosses sequences:
+
+* plain packing: no attention mask; transformers (5.x) sees the restarting position ids and
+  builds the block-diagonal causal mask itself (``masking_utils.find_packed_sequence_indices``,
+  for sdpa and eager);
+* shared prompts (``learner.shared_prompt``): the G samples of a group share their prompt, so
+  the row holds the prompt once and then each sample's segment; an explicit ``[1, 1, N, N]``
+  boolean mask lets every segment see the prompt and itself only (transformers passes a 4-D
+  mask through unchanged).
+
+Layout of one *unit* (a sequence, or a group sharing a prompt of ``p`` tokens)::
+
+    prompt[:p-1]  |  prompt[p-1] resp_0[0 .. r0-1]  |  prompt[p-1] resp_1[...]  | ...
+    positions 0..p-2 |  p-1 .. p-1+r0             |  p-1 .. p-1+r1            |
+
+Each sample repeats the last prompt token: the position that predicts its first response
+token then belongs to the sample alone, so routing replay (R3) ids, which the rollout records
+per sample, stay exact. Without sharing a unit is simply prompt + response.
+
+Log-probs are computed only at the selected positions (those predicting response tokens) and
+laid out on a response grid ``[b, R]`` (row = trajectory, column = response token), which is
+what the loss functions take.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+
+@dataclass
+class MicroBatch:
+    """One packed row and where its response tokens go.
+
+    Shapes (N tokens in the row, n response tokens, b trajectories, L MoE layers, k experts):
+        input_ids, position_ids: [1, N] int64
+        attention_mask: [1, 1, N, N] bool (shared prompts) or None (transformers builds it)
+        select: [n] row positions whose logits predict a response token
+        targets: [n] the response tokens predicted there
+        grid_row, grid_col: [n] (trajectory among ``rows``, response index) of each selected token
+        token_weight: [N] float32 how many padded-layout tokens each row token stands for
+            (a shared prompt token counts once per sample); 0 in a dummy micro-batch
+        replay: [N, L, k] int64 rollout expert ids (-1 = route normally), or None
+        rows: trajectory indices (into the batch) in grid-row order
+        dummy: True for a zero-weight micro-batch that only keeps ranks in lockstep
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    select: torch.Tensor
+    targets: torch.Tensor
+    grid_row: torch.Tensor
+    grid_col: torch.Tensor
+    token_weight: torch.Tensor
+    replay: torch.Tensor | None
+    rows: list[int]
+    dummy: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to_grid(self, values: torch.Tensor, width: int) -> torch.Tensor:
+        """Scatter per-selected-token ``values`` [n] onto the ``[b, width]`` response grid (0 elsewhere).
+
+        Differentiable (``index_put`` out of place), so log-probs keep their gradient.
+        """
+        grid = values.new_zeros(len(self.rows), width)
+        return grid.index_put((self.grid_row.to(values.device), self.grid_col.to(values.device)), values)
+
+
+@dataclass
+class ResponseGrid:
+    """Per-response-token training inputs of a whole batch on the ``[B, R]`` response grid.
+
+    loss_mask: [B, R] float32 (1 = token in the loss); behav: [B, R] behaviour log-probs;
+    positions: [B, R] bool response tokens; token_rewards: [B, R] or None; the critic's
+    per-token MDP (see :func:`streamrl.learner.critic.response_mdp`): tok_reward, tok_done, resp.
+    """
+
+    loss_mask: torch.Tensor
+    behav: torch.Tensor
+    positions: torch.Tensor
+    token_rewards: torch.Tensor | None = None
+    tok_reward: torch.Tensor | None = None
+    tok_done: torch.Tensor | None = None
+    resp: torch.Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        return int(self.loss_mask.shape[1])
+
+
+class TrajectoryView:
+    """Per-trajectory token lists of a packed batch (offsets computed once)."""
+
+    def __init__(self, batch: TensorDict):
+        self.p_lens = batch["prompt_lens"].tolist()
+        self.r_lens = batch["response_lens"].tolist()
+        self.prompt_tokens = batch["prompt_tokens"]
+        self.response_tokens = batch["response_tokens"]
+        self.group_id = batch["group_id"].tolist()
+        self.routed = batch.get("routed_experts", None) if "routed_experts" in batch.keys() else None
+        self.p_off = _offsets(self.p_lens)
+        self.r_off = _offsets(self.r_lens)
+
+    def prompt(self, i: int) -> torch.Tensor:
+        return self.prompt_tokens[self.p_off[i] : self.p_off[i] + self.p_lens[i]]
+
+    def response(self, i: int) -> torch.Tensor:
+        return self.response_tokens[self.r_off[i] : self.r_off[i] + self.r_lens[i]]
+
+    def routed_ids(self, i: int) -> torch.Tensor:
+        return self.routed[self.r_off[i] : self.r_off[i] + self.r_lens[i]]
+
+
+def _offsets(lens: list[int]) -> list[int]:
+    out, acc = [], 0
+    for n in lens:
+        out.append(acc)
+        acc += n
+    return out
+
+
+def response_grid(batch: TensorDict, key: str, fill: float = 0.0, dtype=torch.float32) -> torch.Tensor:
+    """A per-response-token field of the batch laid out as ``[B, R]`` (R = longest response).
+
+    Column j of row i is response token j of trajectory i; ``fill`` past each response.
+    """
+    r_lens = batch["response_lens"].tolist()
+    width = max(max(r_lens, default=0), 1)
+    out = torch.full((len(r_lens), width), fill, dtype=dtype)
+    src = batch[key]
+    o = 0
+    for i, r in enumerate(r_lens):
+        out[i, :r] = src[o : o + r].to(dtype)
+        o += r
+    return out
+
+
+def response_positions(batch: TensorDict) -> torch.Tensor:
+    """[B, R] bool: True on each trajectory's response tokens of the response grid."""
+    r_lens = batch["response_lens"]
+    width = max(int(r_lens.max()) if len(r_lens) else 0, 1)
+    return torch.arange(width)[None, :] < r_lens[:, None]
+
+
+def _units(view: TrajectoryView, rows: list[int], shared: bool, budget: int) -> list[list[int]]:
+    """Rows grouped into units: runs of consecutive rows with one prompt (when ``shared``),
+    split so that prefix + segments fit ``budget`` where a single sample allows it."""
+    units: list[list[int]] = []
+    for i in rows:
+        u = units[-1] if units else None
+        if (shared and u and view.group_id[u[0]] == view.group_id[i]
+                and torch.equal(view.prompt(u[0]), view.prompt(i))
+                and _unit_tokens(view, u + [i]) <= budget):
+            u.append(i)
+        else:
+            units.append([i])
+    return units
+
+
+def _unit_tokens(view: TrajectoryView, unit: list[int]) -> int:
+    return view.p_lens[unit[0]] - 1 + sum(view.r_lens[i] + 1 for i in unit)
+
+
+def plan_microbatches(batch: TensorDict, rows: list[int], budget: int, shared: bool,
+                      view: TrajectoryView | None = None) -> list[list[list[int]]]:
+    """Greedy, order-preserving packing of ``rows`` into micro-batches of units.
+
+    Returns a list of micro-batches, each a list of units (lists of trajectory indices). A unit
+    longer than ``budget`` gets a micro-batch of its own (a sequence is never split).
+    """
+    view = view or TrajectoryView(batch)
+    plan: list[list[list[int]]] = []
+    used = budget + 1
+    for unit in _units(view, rows, shared, budget):
+        n = _unit_tokens(view, unit)
+        if plan and used + n <= budget:
+            plan[-1].append(unit)
+            used += n
+        else:
+            plan.append([unit])
+            used = n
+    return plan
+
+
+def build_microbatch(view: TrajectoryView, units: list[list[int]], shared: bool, num_layers: int = 0,
+                     dummy: bool = False) -> MicroBatch:
+    """Materialise one planned micro-batch (see the module docstring for the layout)."""
+    ids, pos, seg, unit_of = [], [], [], []
+    weight: list[float] = []
+    select, targets, g_row, g_col = [], [], [], []
+    replay_at: list[tuple[int, int]] = []  # (row position, trajectory) of the first token of a segment
+    rows: list[int] = []
+    n = 0
+    for u_idx, unit in enumerate(units):
+        p = view.p_lens[unit[0]]
+        prompt = view.prompt(unit[0])
+        ids.append(prompt[: p - 1])
+        pos.append(torch.arange(p - 1))
+        seg += [-1] * (p - 1)
+        unit_of += [u_idx] * (p - 1)
+        weight += [float(len(unit))] * (p - 1)
+        n += p - 1
+        for i in unit:
+            r = view.r_lens[i]
+            resp = view.response(i)
+            ids.append(torch.cat([view.prompt(i)[p - 1 :], resp]))
+            pos.append(torch.arange(p - 1, p + r))
+            seg += [len(rows)] * (r + 1)
+            unit_of += [u_idx] * (r + 1)
+            weight += [1.0] * (r + 1)
+            select.append(torch.arange(n, n + r))
+            targets.append(resp)
+            g_row.append(torch.full((r,), len(rows), dtype=torch.int64))
+            g_col.append(torch.arange(r))
+            replay_at.append((n, i))
+            rows.append(i)
+            n += r + 1
+    input_ids = torch.cat(ids).long()[None]
+    position_ids = torch.cat(pos).long()[None]
+    mask = None
+    if shared and any(len(u) > 1 for u in units):
+        s, u = torch.tensor(seg), torch.tensor(unit_of)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        same_unit = u[:, None] == u[None, :]
+        visible = (s[None, :] == -1) | (s[:, None] == s[None, :])  # key is prompt, or same sample
+        mask = (causal & same_unit & visible)[None, None]
+    replay = None
+    if view.routed is not None and num_layers:
+        k = view.routed.shape[-1]
+        if view.routed.shape[1] != num_layers:
+            raise ValueError(f"routed_experts has {view.routed.shape[1]} layers, the model has {num_layers} MoE layers")
+        replay = torch.full((n, num_layers, k), -1, dtype=torch.int64)
+        for start, i in replay_at:
+            r = view.r_lens[i]
+            replay[start : start + r] = view.routed_ids(i).long()
+    tw = torch.tensor(weight, dtype=torch.float32) * (0.0 if dummy else 1.0)
+    cat = lambda xs, dt=torch.int64: torch.cat(xs).to(dt) if xs else torch.zeros(0, dtype=dt)  # noqa: E731
+    return MicroBatch(input_ids, position_ids, mask, cat(select), cat(targets), cat(g_row), cat(g_col), tw,
+                      replay, rows, dummy)
+
+
+def rank_microbatches(batch: TensorDict, rank_rows: list[list[int]], rank: int, budget: int, shared: bool,
+                      num_layers: int = 0) -> tuple[list[MicroBatch], list[float]]:
+    """This rank's micro-batches, padded with zero-weight dummies to the largest count of any rank.
+
+    Every rank must run the same number of forward/backward passes (FSDP all-gathers and
+    reduce-scatters, expert all-to-alls are collectives). All ranks hold the whole batch, so
+    each computes every rank's plan locally: no communication is needed to agree.
+
+    Args:
+        rank_rows: trajectory indices of every rank (``rank_rows[r]``; may be empty).
+    Returns:
+        (this rank's micro-batches, the global token weight of each micro-batch index: the sum
+        over ranks of their padded-layout token counts, prompt + response, at that index).
+    """
+    view = TrajectoryView(batch)
+    plans = [plan_microbatches(batch, rows, budget, shared, view) for rows in rank_rows]
+    count = max(max(len(p) for p in plans), 1)
+    weights = [sum(view.p_lens[i] + view.r_lens[i] for p in plans if j < len(p) for u in p[j] for i in u)
+               for j in range(count)]
+    mine = [build_microbatch(view, units, shared, num_layers) for units in plans[rank]]
+    while len(mine) < count:
+        # The batch's first trajectory with zero weights: same collectives, no contribution.
+        mine.append(build_microbatch(view, [[0]], shared, num_layers, dummy=True))
+    return mine, [float(w) for w in weights]
