@@ -63,11 +63,16 @@ def save_tokenizer(cfg, out: Path) -> None:
 
 def _finish(model, cfg, tmp: Path, out: Path, dtype: "torch.dtype | None") -> None:
     """Write ``model`` (+ tokenizer) to ``tmp``, then move it to ``out`` (never a half folder)."""
+    from transformers import GenerationConfig
+
     if dtype is not None:
         model.to(dtype)
-    if getattr(model, "generation_config", None) is None and model.can_generate():
-        from transformers import GenerationConfig
-
+    if cfg.model.path:  # the source's sampling defaults, not ones derived from the model config
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(cfg.model.path)
+        except OSError:  # the source folder has no generation_config.json
+            pass
+    if getattr(model, "generation_config", None) is None:
         model.generation_config = GenerationConfig.from_model_config(model.config)
     model.save_pretrained(tmp, max_shard_size="2GB")
     save_tokenizer(cfg, tmp)
