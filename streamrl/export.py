@@ -63,11 +63,16 @@ def save_tokenizer(cfg, out: Path) -> None:
 
 def _finish(model, cfg, tmp: Path, out: Path, dtype: "torch.dtype | None") -> None:
     """Write ``model`` (+ tokenizer) to ``tmp``, then move it to ``out`` (never a half folder)."""
+    from transformers import GenerationConfig
+
     if dtype is not None:
         model.to(dtype)
-    if getattr(model, "generation_config", None) is None and model.can_generate():
-        from transformers import GenerationConfig
-
+    if cfg.model.path:  # the source's sampling defaults, not ones derived from the model config
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(cfg.model.path)
+        except OSError:  # the source folder has no generation_config.json
+            pass
+    if getattr(model, "generation_config", None) is None:
         model.generation_config = GenerationConfig.from_model_config(model.config)
     model.save_pretrained(tmp, max_shard_size="2GB")
     save_tokenizer(cfg, tmp)
@@ -82,31 +87,27 @@ def _tmp_dir(out: Path) -> Path:
     return tmp
 
 
-def export_checkpoint(ckpt: Path, out: Path, cfg=None, dtype: "torch.dtype | None" = None) -> dict:
-    """Write the HF folder ``out`` from the DCP checkpoint ``ckpt`` in this process.
+def load_checkpoint_model(ckpt: Path, cfg=None):
+    """``(model, tokenizer, learner_state)``: the run's HF model with the checkpoint's weights, in
+    this process (no ``torch.distributed``, any ep / world size of the checkpoint).
 
     Args:
         cfg: the run config; None reads the one stored in the checkpoint.
-        dtype: dtype of the written tensors; None keeps the trained dtype (``model.dtype``).
-    Returns:
-        ``{"step", "ep", "world", "tensors", "bytes", "seconds"}`` of the export.
     """
-    import torch
     import torch.distributed.checkpoint as dcp
 
     from streamrl.learner.checkpoint import CheckpointError, read_learner_state, read_run_config
     from streamrl.learner.critic import is_critic_param
     from streamrl.models.factory import load_model_and_tokenizer
 
-    t0 = time.perf_counter()
-    ckpt, out = Path(ckpt), Path(out)
+    ckpt = Path(ckpt)
     meta = read_learner_state(ckpt)
     cfg = cfg or read_run_config(ckpt)
     if cfg is None:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} stores no config.json (an older checkpoint); pass --config")
     # The source model (HF folder or the seeded tiny MoE) gives the architecture, config,
     # generation config and any persistent buffers; its parameters are overwritten below.
-    model, _ = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
+    model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
     targets = {f"model.{n}": p.data for n, p in model.named_parameters()}
     reader = dcp.FileSystemReader(str(ckpt))
     saved = {k for k in reader.read_metadata().state_dict_metadata
@@ -116,11 +117,24 @@ def export_checkpoint(ckpt: Path, out: Path, cfg=None, dtype: "torch.dtype | Non
         raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match model {type(model).__name__}: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     dcp.load(targets, storage_reader=reader, no_dist=True)
-    tmp = _tmp_dir(out)
-    _finish(model, cfg, tmp, out, dtype)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"step": meta["step"], "ep": meta.get("ep", 1), "world": meta.get("world", 1), "tensors": len(targets),
-            "bytes": nbytes, "seconds": time.perf_counter() - t0}
+    return model, tok, {**meta, "config": cfg}
+
+
+def export_checkpoint(ckpt: Path, out: Path, cfg=None, dtype: "torch.dtype | None" = None) -> dict:
+    """Write the HF folder ``out`` from the DCP checkpoint ``ckpt`` in this process.
+
+    Args:
+        cfg: the run config; None reads the one stored in the checkpoint.
+        dtype: dtype of the written tensors; None keeps the trained dtype (``model.dtype``).
+    Returns:
+        ``{"step", "ep", "world", "tensors", "bytes", "seconds"}`` of the export.
+    """
+    t0 = time.perf_counter()
+    model, _, meta = load_checkpoint_model(ckpt, cfg)
+    _finish(model, meta["config"], _tmp_dir(Path(out)), Path(out), dtype)
+    params = list(model.parameters())
+    return {"step": meta["step"], "ep": meta.get("ep", 1), "world": meta.get("world", 1), "tensors": len(params),
+            "bytes": sum(p.numel() * p.element_size() for p in params), "seconds": time.perf_counter() - t0}
 
 
 def write_hf_folder(trainer, out_dir: str | Path, dtype: "torch.dtype | None" = None) -> Path | None:

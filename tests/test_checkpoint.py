@@ -149,6 +149,7 @@ def _assert_same(a: dict, b: dict):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_checkpoint_written_with_ep2_loads_with_ep1_in_one_process(tmp_path):
     saved = spawn_gloo(_save_after_two_steps, 2, str(tmp_path), 2, timeout_s=240)
@@ -163,3 +164,13 @@ def test_checkpoint_written_with_ep1_resumes_with_ep2(tmp_path):
     saved = spawn_gloo(_save_after_two_steps, 2, str(tmp_path), 1, timeout_s=240)[0]
     for loaded in spawn_gloo(_load_latest, 2, str(tmp_path), 2, timeout_s=240):
         _assert_same(saved, loaded)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_checkpoint_four_ranks_ep2_dp2_reshards_to_ep4_and_one_process(tmp_path):
+    """Experts split over ep AND FSDP-sharded over dp_shard: the global offsets must still hold."""
+    saved = spawn_gloo(_save_after_two_steps, 4, str(tmp_path), 2, timeout_s=600)[0]
+    for loaded in spawn_gloo(_load_latest, 4, str(tmp_path), 4, timeout_s=600):
+        _assert_same(saved, loaded)
+    _assert_same(saved, _load_latest(0, 1, str(tmp_path), 1))

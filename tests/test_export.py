@@ -62,6 +62,7 @@ def _train_save(rank, world, tmp, overrides):
     return _learner_logits(tr)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_moe_two_ranks_ep2_with_value_head_exports_exactly(tmp_path):
     """The must-hold path: 2 learner ranks, ep = 2, V-trace head on; export in one process."""
@@ -99,6 +100,9 @@ def test_dense_llama_export_bf16_and_errors(tmp_path):
     _assert_plain_hf_folder(out)
     torch.testing.assert_close(_hf_logits(out), ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(_hf_logits(tmp_path / "live_hf"), ref, atol=1e-5, rtol=0)
+    gen = lambda f: {k: v for k, v in json.loads((f / "generation_config.json").read_text()).items()  # noqa: E731
+                     if k != "transformers_version"}
+    assert gen(out) == gen(src) == gen(tmp_path / "live_hf")  # the source's sampling defaults
     # bf16: half the bytes, logits within bf16 rounding
     assert main(["--run-dir", str(tmp_path), "--out", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -15,7 +15,9 @@ from streamrl.parallel.testing import spawn_gloo
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
               head_dim=32, max_position_embeddings=64, tie_word_embeddings=False)
+# MLA attention (one kv head per query head, as DeepSeek's own configs have)
 _MLA = dict(q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)
+_DS = {**{k: v for k, v in COMMON.items() if k != "head_dim"}, "num_key_value_heads": 2, **_MLA}
 
 
 def _config(family: str):
@@ -30,12 +32,12 @@ def _config(family: str):
     if family == "olmoe":
         return T.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=True)
     if family == "deepseek_v3":  # layer 0 dense; 8 experts in 4 groups, top-2 of the best 2 groups
-        return T.DeepseekV3Config(**{k: v for k, v in COMMON.items() if k != "head_dim"}, **_MLA,
+        return T.DeepseekV3Config(**_DS,
                                   n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                                   moe_intermediate_size=32, intermediate_size=48, n_shared_experts=1,
                                   first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True)
     if family == "deepseek_v2":
-        return T.DeepseekV2Config(**{k: v for k, v in COMMON.items() if k != "head_dim"}, **_MLA,
+        return T.DeepseekV2Config(**_DS,
                                   n_routed_experts=8, num_experts_per_tok=2, topk_method="group_limited_greedy",
                                   n_group=4, topk_group=2, moe_intermediate_size=32, intermediate_size=48,
                                   n_shared_experts=2, first_k_dense_replace=0, routed_scaling_factor=1.5)
@@ -126,6 +128,7 @@ def _ep2_logits(rank, world):
     return reference_logits(model, ids[:, rank * 12:(rank + 1) * 12])  # each rank its own tokens
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_deepseek_v3_ep2_equals_hf():
     hf = _model("deepseek_v3")
@@ -133,3 +136,28 @@ def test_deepseek_v3_ep2_equals_hf():
     out = spawn_gloo(_ep2_logits, 2, timeout_s=240)
     for r, got in enumerate(out):
         torch.testing.assert_close(got, reference_logits(hf, ids[:, r * 12:(r + 1) * 12]), atol=1e-5, rtol=0)
+
+
+def test_deepseek_v3_trains_checkpoints_and_exports(tmp_path):
+    """A declared family end to end: learner steps, DCP checkpoint, streamrl-export, HF logits."""
+    from test_export import _hf_logits, _train_save
+
+    from streamrl.export import main
+    from streamrl.models.tokenizer import build_char_tokenizer
+
+    src = tmp_path / "src"
+    _model("deepseek_v3").save_pretrained(src)
+    build_char_tokenizer().save_pretrained(src)
+    ref = _train_save(0, 1, str(tmp_path), [f"model.path={src}"])
+    assert main(["--run-dir", str(tmp_path), "--out", str(tmp_path / "export")]) == 0
+    torch.testing.assert_close(_hf_logits(tmp_path / "export"), ref, atol=1e-5, rtol=0)
+
+
+def test_parallelize_refuses_an_unsupported_family_before_sharding():
+    from streamrl.parallel.expert_parallel import parallelize
+    from streamrl.parallel.mesh import build_mesh
+
+    model = T.AutoModelForCausalLM.from_config(
+        T.GptOssConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32))
+    with pytest.raises(ConfigError, match="'gpt_oss'"):
+        parallelize(model, build_mesh(), torch.device("cpu"))

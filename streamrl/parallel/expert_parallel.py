@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from streamrl.models.families import check_converted_logits, moe_family, probe_ids, reference_logits
 from streamrl.models.moe import EPMoEBlock, convert_moe_blocks
 from streamrl.parallel.mesh import LearnerMesh
 
@@ -58,21 +59,39 @@ def compile_decoder_layers(model: nn.Module) -> int:
 
 
 def parallelize(model: nn.Module, mesh: LearnerMesh, device: torch.device, experts_impl: str = "auto",
-                mixed_precision: bool = True, compile_layers: bool = False) -> list[EPMoEBlock]:
+                mixed_precision: bool = True, compile_layers: bool = False, check_logits: bool = True
+                ) -> list[EPMoEBlock]:
     """Convert MoE blocks to expert parallel and shard with FSDP2 (in place). Returns the blocks.
 
     ``compile_layers``: ``torch.compile`` each decoder layer (see :func:`compile_decoder_layers`).
+    ``check_logits``: for an MoE, compare the parallel model's logits on a few probe tokens with
+    the HF model's before conversion and raise a one-line ConfigError when they differ
+    (:func:`~streamrl.models.families.check_converted_logits`); a collective with ``ep > 1``.
     """
     impl = experts_impl
     if impl == "auto":
         impl = "grouped_mm" if device.type == "cuda" else "loop"
     ep = mesh.dims.ep
+    probe = ref = None
+    if check_logits and moe_family(model.config) is not None:  # unsupported families raise here
+        probe = probe_ids(model.config.vocab_size)
+        ref = reference_logits(model, probe)
     blocks = convert_moe_blocks(model, mesh.ep_rank, ep, mesh.ep_group, impl)
+    _shard(model, blocks, mesh, device, mixed_precision, compile_layers)
+    if ref is not None:
+        low = (device.type == "cuda" and mixed_precision) or next(model.parameters()).dtype != torch.float32
+        check_converted_logits(ref, model, probe, atol=(5e-2 if low else 1e-3) * max(1.0, float(ref.abs().max())))
+    return blocks
+
+
+def _shard(model: nn.Module, blocks: list[EPMoEBlock], mesh: LearnerMesh, device: torch.device,
+           mixed_precision: bool, compile_layers: bool) -> None:
+    ep = mesh.dims.ep
     model.to(device)
     if compile_layers:
         compile_decoder_layers(model)
     if mesh.dims.world == 1:
-        return blocks
+        return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy()
@@ -85,7 +104,6 @@ def parallelize(model: nn.Module, mesh: LearnerMesh, device: torch.device, exper
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh.dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh.dp_mesh, mp_policy=mp)
-    return blocks
 
 
 def global_param_specs(model: nn.Module, ep: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
