@@ -103,6 +103,8 @@ class Launch:
     bind_host: str
     advertise_host: str | None
     host: str
+    argv: list[str] | None = None
+    """The command line as given (for the resume hint after Ctrl-C)."""
 
     @property
     def learner_log(self) -> Path:
@@ -267,9 +269,11 @@ def learner_accepts(flag: str) -> bool:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     try:
         launch = prepare(args)
+        launch.argv = argv
         if args.dry_run:
             print(json.dumps(describe(launch), indent=2))
             return 0
