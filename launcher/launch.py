@@ -30,8 +30,9 @@ from pathlib import Path
 from streamrl.config import Config, ConfigError, config_from_dict, load_config
 from streamrl.launcher.runstate import LaunchError, check_redis_url, is_loopback, redact
 from streamrl.preflight import PreflightError, require_preflight
-from streamrl.placement import LAUNCH_ROLES, NodePlan, canonical_role, plan_node, uses_cuda
+from streamrl.placement import LAUNCH_ROLES, NodePlan, assign_threads, canonical_role, plan_node, uses_cuda
 
+# Defaults for every child; the placement's per-process threads (placement.assign_threads) override them.
 BASE_ENV = {"OMP_NUM_THREADS": "1", "STREAMRL_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -166,9 +167,12 @@ def _gpu_info(cfg: Config) -> tuple[int, list[str] | None]:
 
 def make_plan(args, cfg: Config) -> NodePlan:
     gpu_count, visible = _gpu_info(cfg)
-    return plan_node(cfg.placement, learners=args.learners, rollers=args.rollers,
+    plan = plan_node(cfg.placement, learners=args.learners, rollers=args.rollers,
                      learner_device=cfg.learner.device, rollout_device=cfg.rollout.device, nnodes=args.nnodes,
                      node_rank=args.node_rank, role=args.role, gpu_count=gpu_count, visible=visible)
+    # Threads per process from this host's cores and the placement (env of each child).
+    assign_threads(plan, len(os.sched_getaffinity(0)), cfg.placement.learner_threads, cfg.placement.rollout_threads)
+    return plan
 
 
 def prepare(args) -> Launch:

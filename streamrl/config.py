@@ -333,11 +333,17 @@ class PlacementConfig:
     """Critic devices (hosted by the learner process); null = no critic (group-relative advantages)."""
     colocate: list[list[str]] = field(default_factory=list)
     """Groups of roles allowed to share a GPU, e.g. [[learner, reference]]; other roles may not."""
+    learner_threads: int = 0
+    """Intra-op threads per learner rank; 0 = the host's cores / its learner ranks (see placement.assign_threads)."""
+    rollout_threads: int = 0
+    """Intra-op threads per rollout worker; 0 = the host's cores / all its processes (at least 1)."""
 
     def validate(self, p: str) -> None:
         from streamrl.placement import validate_placement_config  # noqa: PLC0415 (no import cycle)
 
         validate_placement_config(self, p)
+        for name in ("learner_threads", "rollout_threads"):
+            _check(getattr(self, name) >= 0, f"{p}.{name}", getattr(self, name), "must be >= 0 (0 = auto)")
 
 
 @dataclass
