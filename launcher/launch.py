@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-grace", type=float, default=30.0, help="seconds the learner gets to stop before SIGTERM")
     g.add_argument("--wait-timeout", type=float, default=300.0,
                    help="seconds a non-head host waits for the run to appear in Redis")
+    p.add_argument("--wandb", action="store_true", help="also log metrics to Weights & Biases (run.wandb=true; "
+                                                       "WANDB_MODE=offline works without network)")
     p.add_argument("--dry-run", action="store_true", help="print processes, devices and endpoints, start nothing")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. learner.lr=1e-3")
     return p
@@ -142,6 +144,8 @@ def _overrides(args) -> list[str]:
         out.append(f"run.steps={args.steps}")
     if args.run_dir is not None:
         out.append(f"run.run_dir={args.run_dir}")
+    if args.wandb:
+        out.append("run.wandb=true")
     for item in args.place:
         if "=" not in item:
             raise LaunchError(f"--place {item!r}: expected ROLE=DEVICES, e.g. learner=cuda:0,cuda:1")

@@ -41,6 +41,10 @@ class RunConfig:
     """Number of learner optimizer steps before the run stops."""
     run_dir: str = "runs/latest"
     """Directory for metrics.jsonl, summary.json, logs and checkpoints."""
+    wandb: bool = False
+    """Also log the learner's metrics to Weights & Biases (pip extra 'wandb'; WANDB_MODE=offline needs no network)."""
+    wandb_project: str = "streamrl"
+    """Weights & Biases project of the run (with run.wandb)."""
 
     def validate(self, p: str) -> None:
         _check(self.steps > 0, f"{p}.steps", self.steps, "must be > 0")
