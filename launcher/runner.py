@@ -97,9 +97,10 @@ def execute(launch: Launch) -> int:
     if summary is not None and not failures and not summary.exists():
         failures.append("learner wrote no summary.json")
     print(exit_report(([learner] if learner else []) + rollers, summary, failures), flush=True)
-    if sup.stop_signal is not None and not failures:
+    if sup.stop_signal is not None:  # the checkpoint and resume hint, even if the stop went wrong
         print(stopped_report(launch, sup.stop_signal), flush=True)
-        return 128 + sup.stop_signal  # the shell's convention: 130 after Ctrl-C
+        if not failures:
+            return 128 + sup.stop_signal  # the shell's convention: 130 after Ctrl-C
     return 1 if failures else 0
 
 
