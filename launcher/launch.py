@@ -30,8 +30,9 @@ from pathlib import Path
 from streamrl.config import Config, ConfigError, config_from_dict, load_config
 from streamrl.launcher.runstate import LaunchError, check_redis_url, is_loopback, redact
 from streamrl.preflight import PreflightError, require_preflight
-from streamrl.placement import LAUNCH_ROLES, NodePlan, canonical_role, plan_node, uses_cuda
+from streamrl.placement import LAUNCH_ROLES, NodePlan, assign_threads, canonical_role, plan_node, uses_cuda
 
+# Defaults for every child; the placement's per-process threads (placement.assign_threads) override them.
 BASE_ENV = {"OMP_NUM_THREADS": "1", "STREAMRL_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-grace", type=float, default=30.0, help="seconds the learner gets to stop before SIGTERM")
     g.add_argument("--wait-timeout", type=float, default=300.0,
                    help="seconds a non-head host waits for the run to appear in Redis")
+    p.add_argument("--wandb", action="store_true", help="also log metrics to Weights & Biases (run.wandb=true; "
+                                                       "WANDB_MODE=offline works without network)")
     p.add_argument("--dry-run", action="store_true", help="print processes, devices and endpoints, start nothing")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. learner.lr=1e-3")
     return p
@@ -103,6 +106,8 @@ class Launch:
     bind_host: str
     advertise_host: str | None
     host: str
+    argv: list[str] | None = None
+    """The command line as given (for the resume hint after Ctrl-C)."""
 
     @property
     def learner_log(self) -> Path:
@@ -139,6 +144,8 @@ def _overrides(args) -> list[str]:
         out.append(f"run.steps={args.steps}")
     if args.run_dir is not None:
         out.append(f"run.run_dir={args.run_dir}")
+    if args.wandb:
+        out.append("run.wandb=true")
     for item in args.place:
         if "=" not in item:
             raise LaunchError(f"--place {item!r}: expected ROLE=DEVICES, e.g. learner=cuda:0,cuda:1")
@@ -164,9 +171,12 @@ def _gpu_info(cfg: Config) -> tuple[int, list[str] | None]:
 
 def make_plan(args, cfg: Config) -> NodePlan:
     gpu_count, visible = _gpu_info(cfg)
-    return plan_node(cfg.placement, learners=args.learners, rollers=args.rollers,
+    plan = plan_node(cfg.placement, learners=args.learners, rollers=args.rollers,
                      learner_device=cfg.learner.device, rollout_device=cfg.rollout.device, nnodes=args.nnodes,
                      node_rank=args.node_rank, role=args.role, gpu_count=gpu_count, visible=visible)
+    # Threads per process from this host's cores and the placement (env of each child).
+    assign_threads(plan, len(os.sched_getaffinity(0)), cfg.placement.learner_threads, cfg.placement.rollout_threads)
+    return plan
 
 
 def prepare(args) -> Launch:
@@ -267,9 +277,11 @@ def learner_accepts(flag: str) -> bool:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     try:
         launch = prepare(args)
+        launch.argv = argv
         if args.dry_run:
             print(json.dumps(describe(launch), indent=2))
             return 0

@@ -8,6 +8,7 @@ the shared counter, start their part. Then supervise (:mod:`streamrl.launcher.su
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from streamrl.launcher.launch import BASE_ENV, Launch, learner_accepts, make_pla
 from streamrl.launcher.process import ManagedProcess
 from streamrl.launcher.redis_server import RedisServer
 from streamrl.launcher.runstate import LaunchError, RunState, redact
-from streamrl.launcher.supervisor import Supervisor, exit_report
+from streamrl.launcher.progress import Progress
+from streamrl.launcher.supervisor import Supervisor, exit_report, signal_name
 
 
 def _say(msg: str) -> None:
@@ -77,9 +79,11 @@ def execute(launch: Launch) -> int:
     if launch.head and args.learner_restarts > 0:
         keep = learner_accepts("--resume")
         restart_args = ["--resume"] if keep else []
+    progress = Progress(launch.run_dir / "metrics.jsonl", launch.cfg.run.steps) if launch.head else None
     sup = Supervisor(state, learner, rollers, head=launch.head, host=launch.host,
                      learner_restarts=args.learner_restarts, restart_args=restart_args, keep_progress=keep,
-                     single_host=not launch.multi, stop_grace_s=args.stop_grace, park_timeout_s=args.wait_timeout)
+                     single_host=not launch.multi, stop_grace_s=args.stop_grace, park_timeout_s=args.wait_timeout,
+                     progress=progress)
     state.set_host(launch.host, "running")
     old = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -93,7 +97,29 @@ def execute(launch: Launch) -> int:
     if summary is not None and not failures and not summary.exists():
         failures.append("learner wrote no summary.json")
     print(exit_report(([learner] if learner else []) + rollers, summary, failures), flush=True)
+    if sup.stop_signal is not None:  # the checkpoint and resume hint, even if the stop went wrong
+        print(stopped_report(launch, sup.stop_signal), flush=True)
+        if not failures:
+            return 128 + sup.stop_signal  # the shell's convention: 130 after Ctrl-C
     return 1 if failures else 0
+
+
+def stopped_report(launch: Launch, signum: int) -> str:
+    """What a user needs after Ctrl-C: that it stopped on request, the checkpoint, the resume command."""
+    lines = [f"streamrl-launch: stopped on request ({signal_name(signum)})"]
+    if not launch.head:
+        return lines[0] + "; the head host holds the checkpoint"
+    from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint  # noqa: PLC0415 (torch, only here)
+
+    ckpt = latest_checkpoint(checkpoint_dir(launch.cfg))
+    if ckpt is None:
+        lines.append(f"  no checkpoint in {checkpoint_dir(launch.cfg)} (checkpoint.save_on_stop = "
+                     f"{str(launch.cfg.checkpoint.save_on_stop).lower()}): a new run starts from scratch")
+        return "\n".join(lines)
+    argv = [a for a in (launch.argv or []) if a != "--resume"]
+    lines.append(f"  checkpoint: {ckpt}")
+    lines.append(f"  resume:     {shlex.join(['streamrl-launch', *argv, '--resume'])}")
+    return "\n".join(lines)
 
 
 def _processes(launch: Launch, url: str, state: RunState):

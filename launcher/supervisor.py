@@ -8,10 +8,11 @@ Rules (one loop, 5 ticks a second):
 * the learner finishing ends the run; a learner failure ends it too, unless
   ``learner_restarts`` are left: then workers are halted, the run state is reset (kept with
   ``--resume``), the epoch advances and the learner starts again;
-* Ctrl-C / SIGTERM: the head asks the learner to stop through Redis (it finishes its step and
-  writes summary.json), then SIGTERMs it (a learner with a handler checkpoints) and only then
-  kills; workers are stopped after the learner; the head marks the run done and gives other
-  hosts a moment to notice before an embedded Redis goes away.
+* Ctrl-C / SIGTERM: a stop on request, not a failure. The head asks the learner to stop
+  through Redis (it finishes its step, checkpoints when ``checkpoint.save_on_stop`` and writes
+  summary.json), then SIGTERMs it and only then kills; workers are stopped after the learner;
+  the head marks the run done and gives other hosts a moment to notice before an embedded
+  Redis goes away. The launcher then says where the checkpoint is and exits 128 + signal.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import redis
 
 from streamrl.launcher.process import ManagedProcess
+from streamrl.launcher.progress import Progress
 from streamrl.launcher.runstate import RunState
 
 TICK_S = 0.2
@@ -43,6 +45,8 @@ class Supervisor:
     single_host: bool = True
     stop_grace_s: float = 30.0
     park_timeout_s: float = 300.0
+    progress: Progress | None = None
+    """The live progress line (head host only)."""
     failures: list[str] = field(default_factory=list)
     interrupted: list[int] = field(default_factory=list)
 
@@ -68,16 +72,24 @@ class Supervisor:
             r.start()
         try:
             while not self._tick():
+                if self.progress is not None:
+                    self.progress.poll()
                 time.sleep(TICK_S)
         finally:
             self.shutdown()
+            if self.progress is not None:
+                self.progress.finish()
         return self.failures
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that asked this host to stop (Ctrl-C: SIGINT), or None."""
+        return self.interrupted[0] if self.interrupted else None
 
     def _tick(self) -> bool:
         """One supervision step; True when this host is finished."""
         if self.interrupted:
-            self.failures.append(f"interrupted by signal {self.interrupted[0]}")
-            return True
+            return True  # a stop on request: shutdown() tells the learner why
         if self.learner and self.learner.proc is not None:
             rc = self.learner.poll()
             if rc == 0:
@@ -203,6 +215,8 @@ class Supervisor:
     # -- shutdown ------------------------------------------------------------------------------
     def shutdown(self) -> None:
         reason = self.failures[0] if self.failures else "completed"
+        if self.stop_signal is not None and not self.failures:
+            reason = f"stopped on request ({signal_name(self.stop_signal)})"
         lr = self.learner
         if lr is not None and lr.alive():
             if self.head:
@@ -232,6 +246,11 @@ class Supervisor:
             return fn()
         except redis.RedisError:
             return None
+
+
+def signal_name(signum: int) -> str:
+    """``Ctrl-C`` for SIGINT, else the signal's name (``SIGTERM``)."""
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
 def _wait(p: ManagedProcess, timeout_s: float) -> bool:

@@ -41,6 +41,10 @@ class RunConfig:
     """Number of learner optimizer steps before the run stops."""
     run_dir: str = "runs/latest"
     """Directory for metrics.jsonl, summary.json, logs and checkpoints."""
+    wandb: bool = False
+    """Also log the learner's metrics to Weights & Biases (pip extra 'wandb'; WANDB_MODE=offline needs no network)."""
+    wandb_project: str = "streamrl"
+    """Weights & Biases project of the run (with run.wandb)."""
 
     def validate(self, p: str) -> None:
         _check(self.steps > 0, f"{p}.steps", self.steps, "must be > 0")
@@ -345,11 +349,17 @@ class PlacementConfig:
     """Critic devices (hosted by the learner process); null = no critic (group-relative advantages)."""
     colocate: list[list[str]] = field(default_factory=list)
     """Groups of roles allowed to share a GPU, e.g. [[learner, reference]]; other roles may not."""
+    learner_threads: int = 0
+    """Intra-op threads per learner rank; 0 = the host's cores / its learner ranks (see placement.assign_threads)."""
+    rollout_threads: int = 0
+    """Intra-op threads per rollout worker; 0 = the host's cores / all its processes (at least 1)."""
 
     def validate(self, p: str) -> None:
         from streamrl.placement import validate_placement_config  # noqa: PLC0415 (no import cycle)
 
         validate_placement_config(self, p)
+        for name in ("learner_threads", "rollout_threads"):
+            _check(getattr(self, name) >= 0, f"{p}.{name}", getattr(self, name), "must be >= 0 (0 = auto)")
 
 
 @dataclass

@@ -248,3 +248,84 @@ def tensorboard_sink(logdir: str | Path, **kwargs) -> MetricSink:
     except ImportError as e:
         log.warning("tensorboard not installed (%s); no event files in %s", e, logdir)
         return NullSink()
+
+
+class WandbSink:
+    """A Weights & Biases run: one ``run.log(metrics, step=...)`` per write, off the hot path.
+
+    :meth:`write` only enqueues (bounded, like :class:`TensorBoardSink`); a daemon thread
+    calls wandb. ``WANDB_MODE=offline`` writes the run under ``RUN_DIR/wandb`` with no network
+    (``wandb sync`` uploads it later). Non-numeric and non-finite values are skipped.
+    """
+
+    def __init__(self, run_dir: str | Path, name: str, project: str, config: dict | None = None,
+                 step_key: str = "learner/step", max_queue: int = 1000):
+        import wandb  # noqa: PLC0415  (optional dependency: the `wandb` extra)
+
+        self.step_key = step_key
+        self.dropped = 0
+        self._count = 0
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(project=project, name=name, dir=str(run_dir), config=config or {},
+                               reinit="create_new")
+        self._q: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._loop, name="metrics-wandb", daemon=True)
+        self._thread.start()
+
+    def write(self, metrics: dict[str, float]) -> None:
+        self._count += 1
+        step = int(metrics.get(self.step_key, self._count))
+        try:
+            self._q.put_nowait((step, dict(metrics)))
+        except queue.Full:
+            self.dropped += 1
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            step, metrics = item
+            try:
+                self._run.log({k: v for k, v in metrics.items()
+                               if isinstance(v, (int, float)) and math.isfinite(v)}, step=step)
+            except Exception as e:  # a wandb failure must not kill the run
+                log.warning("wandb log failed: %s", e)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._q.put(None)
+        self._thread.join(timeout_s)
+        self._run.finish()
+
+
+def wandb_available() -> bool:
+    """Whether the optional ``wandb`` package can be imported."""
+    try:
+        import wandb  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+def wandb_sink(run_dir: str | Path, name: str, project: str, config: dict | None = None) -> MetricSink:
+    """A :class:`WandbSink`, or a :class:`NullSink` with a warning when wandb cannot start a run
+    (no API key while online, ...); a missing package is a preflight error, not this."""
+    try:
+        return WandbSink(run_dir, name, project, config)
+    except Exception as e:  # noqa: BLE001 (wandb raises many kinds; the run goes on without it)
+        log.warning("wandb disabled: %s (set WANDB_MODE=offline to log without an account or network)", e)
+        return NullSink()
+
+
+def run_sinks(cfg, run_dir: str | Path) -> MultiSink:
+    """The learner's sinks for a run: JSONL and TensorBoard always, wandb when ``run.wandb``.
+
+    Args:
+        cfg: the run's :class:`~streamrl.config.Config`.
+        run_dir: where ``metrics.jsonl``, ``tb/`` and ``wandb/`` go.
+    """
+    run_dir = Path(run_dir)
+    sinks: list[MetricSink] = [JsonlSink(run_dir / "metrics.jsonl"), tensorboard_sink(run_dir / "tb")]
+    if cfg.run.wandb:
+        sinks.append(wandb_sink(run_dir, cfg.run.name, cfg.run.wandb_project, cfg.to_dict()))
+    return MultiSink(*sinks)

@@ -348,3 +348,49 @@ def _check_colocation(learner: ProcessPlacement | None, rollouts: list[ProcessPl
                     raise PlacementError(f"placement: cuda:{idx} on node {node_rank} is used by {a} and {b}, which are "
                                          f"not colocated; give them separate GPUs or add [{a}, {b}] to "
                                          f"placement.colocate")
+
+
+def assign_threads(plan: NodePlan, cores: int, learner_threads: int = 0, rollout_threads: int = 0) -> dict[str, int]:
+    """Size each local process's intra-op threads (``STREAMRL_THREADS``, ``OMP_NUM_THREADS``).
+
+    Auto (0) rules, from what the loop does with the cores of one host:
+
+    * a learner rank gets ``cores // local learner ranks``: the learner is the bottleneck of an
+      asynchronous run (workers run ahead to the staleness limit, then block on admission and
+      leave their cores idle), so it may use the cores the blocked workers leave;
+    * a rollout worker gets its fair share, ``cores // (local learner ranks + workers)``;
+    * never fewer than 1. When the threads add up to more than ``cores`` the processes are told
+      to sleep rather than spin while waiting for work (``OMP_WAIT_POLICY=PASSIVE``), so a
+      blocked process's thread pool does not burn the cores another one needs.
+
+    Args:
+        plan: this host's plan; each process's ``env`` is updated in place.
+        cores: CPU cores this host may use (``len(os.sched_getaffinity(0))``).
+        learner_threads, rollout_threads: fixed counts (``placement.learner_threads`` /
+            ``placement.rollout_threads``); 0 = the auto rule above.
+
+    Returns:
+        ``{process name: threads}``.
+
+    Examples:
+        >>> from streamrl.config import PlacementConfig
+        >>> plan = plan_node(PlacementConfig(), learners=1, rollers=1)
+        >>> assign_threads(plan, cores=2)
+        {'learner': 2, 'rollout-0': 1}
+        >>> plan.learner.env["OMP_WAIT_POLICY"]
+        'PASSIVE'
+    """
+    ranks = len(plan.learner.devices) if plan.learner is not None else 0
+    procs = ranks + len(plan.rollouts)
+    sizes: dict[str, int] = {}
+    if plan.learner is not None:
+        sizes[plan.learner.name] = learner_threads or max(1, cores // ranks)
+    for r in plan.rollouts:
+        sizes[r.name] = rollout_threads or max(1, cores // max(procs, 1))
+    total = sizes.get(plan.learner.name, 0) * ranks if plan.learner is not None else 0
+    total += sum(sizes[r.name] for r in plan.rollouts)
+    for p in ([plan.learner] if plan.learner is not None else []) + plan.rollouts:
+        p.env["STREAMRL_THREADS"] = p.env["OMP_NUM_THREADS"] = str(sizes[p.name])
+        if total > cores:
+            p.env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return sizes

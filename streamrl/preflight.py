@@ -3,7 +3,8 @@
 :func:`~streamrl.config.load_config` checks values on their own (types, ranges, names).
 Preflight checks them against the world outside the config: the model folder or hub id
 exists (offline), every input file named in the config is there, reward plug-ins import and
-are callable, and the learner's expert-parallel degree fits the world size and the model.
+are callable, the learner's expert-parallel degree fits the world size and the model, and an
+optional metric sink that was asked for (``run.wandb``) is installed.
 ``streamrl-launch --dry-run`` and the launcher's start run it; each problem is one line
 naming the dotted field, and the launcher exits 2 (bad input) instead of a child process
 failing later with a traceback.
@@ -130,6 +131,16 @@ def check_parallel(cfg: Config, learner_world: int | None, folder: Path | None) 
     return []
 
 
+def check_sinks(cfg: Config) -> list[str]:
+    """Optional metric sinks that were asked for must be installed."""
+    from streamrl.metrics import wandb_available  # noqa: PLC0415
+
+    if cfg.run.wandb and not wandb_available():
+        return ["config field 'run.wandb' = true: the wandb package is not installed "
+                "(pip install 'streamrl[wandb]'), or drop --wandb"]
+    return []
+
+
 def preflight(cfg: Config, learner_world: int | None = None) -> list[str]:
     """All problems found, one line each (empty: the run can start).
 
@@ -141,6 +152,7 @@ def preflight(cfg: Config, learner_world: int | None = None) -> list[str]:
     problems += check_inputs(cfg)
     problems += check_reward_plugins(cfg)
     problems += check_parallel(cfg, learner_world, folder)
+    problems += check_sinks(cfg)
     return problems
 
 

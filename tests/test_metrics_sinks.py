@@ -107,3 +107,27 @@ def test_tensorboard_sink_writes_readable_events(tmp_path):
     assert [e.step for e in events] == list(range(1, 21))
     assert events[-1].value == pytest.approx(1.0)
     assert sink.dropped == 0
+
+
+@pytest.mark.slow
+def test_wandb_sink_offline_needs_no_network(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from streamrl.config import load_config
+    from streamrl.metrics import WandbSink, run_sinks
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config("configs/tiny.yaml", [f"run.run_dir={tmp_path}", "run.wandb=true"])
+    sink = run_sinks(cfg, tmp_path)
+    assert isinstance(sink.sinks[-1], WandbSink)
+    for step in (1, 2, 3):
+        sink.write({"learner/step": step, "learner/reward_mean": step / 10, "learner/nan": float("nan"),
+                    "learner/label": "text"})
+    sink.close()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 30  # wandb's service process may still be appending after finish()
+    while b"learner/reward_mean" not in (data := run_file.read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # The run's records (protobuf) hold the logged keys; non-finite and non-numeric values are left out.
+    assert b"learner/reward_mean" in data and b"learner/nan" not in data and b"learner/label" not in data
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3

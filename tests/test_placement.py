@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from streamrl.config import ConfigError, PlacementConfig, load_config
-from streamrl.placement import Device, PlacementError, parse_devices, plan_node
+from streamrl.placement import Device, PlacementError, assign_threads, parse_devices, plan_node
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:
@@ -129,3 +129,30 @@ def test_multinode_plans():
     # plain (unqualified) learner lives on node 0; rollout workers run wherever --role rollout runs
     p = plan_node(PlacementConfig(), learners=2, rollers=2, nnodes=3, node_rank=1, role="rollout")
     assert p.learner is None and len(p.rollouts) == 2 and p.learner_nodes == [0]
+
+
+@pytest.mark.parametrize("learners,rollers,cores,want", [
+    (1, 1, 2, {"learner": 2, "rollout-0": 1}),                      # the learner takes the idle cores
+    (2, 2, 2, {"learner": 1, "rollout-0": 1, "rollout-1": 1}),      # make demo: one each
+    (2, 2, 16, {"learner": 8, "rollout-0": 4, "rollout-1": 4}),
+    (4, 1, 4, {"learner": 1, "rollout-0": 1}),
+])
+def test_threads_follow_cores_and_placement(learners, rollers, cores, want):
+    plan = plan_node(PlacementConfig(), learners=learners, rollers=rollers)
+    assert assign_threads(plan, cores) == want
+    procs = [plan.learner] + plan.rollouts
+    for p in procs:
+        assert p.env["STREAMRL_THREADS"] == p.env["OMP_NUM_THREADS"] == str(want[p.name])
+    oversubscribed = want["learner"] * learners + sum(want[r.name] for r in plan.rollouts) > cores
+    assert all(("OMP_WAIT_POLICY" in p.env) == oversubscribed for p in procs)
+
+
+def test_fixed_threads_from_config_and_rollout_only_host():
+    cfg = load_config("configs/tiny.yaml", ["placement.learner_threads=3", "placement.rollout_threads=2"])
+    plan = plan_node(cfg.placement, learners=1, rollers=2)
+    assert assign_threads(plan, 8, cfg.placement.learner_threads, cfg.placement.rollout_threads) == {
+        "learner": 3, "rollout-0": 2, "rollout-1": 2}
+    rollout_host = plan_node(PlacementConfig(), learners=1, rollers=2, nnodes=2, node_rank=1, role="rollout")
+    assert assign_threads(rollout_host, 8) == {"rollout-0": 4, "rollout-1": 4}
+    with pytest.raises(ConfigError, match="placement.learner_threads"):
+        load_config("configs/tiny.yaml", ["placement.learner_threads=-1"])

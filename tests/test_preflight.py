@@ -108,3 +108,9 @@ def test_unknown_key_suggests_the_nearest(override, suggestion, capsys):
         load_config("configs/tiny.yaml", [override])
     (line,) = problems_of(capsys, override)
     assert suggestion in line
+
+
+def test_wandb_requested_but_not_installed_is_one_line(capsys, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # import wandb -> ImportError
+    (line,) = problems_of(capsys, "--wandb")
+    assert "'run.wandb' = true: the wandb package is not installed" in line
