@@ -51,13 +51,16 @@ def _static_attention(module, query, key, value, attention_mask, scaling=None, d
     """SDPA over the static cache; query ``[B, Hq, q, D]``, key/value ``[B, Hkv, S, D]``,
     attention_mask bool ``[B|1, 1, q, S]``; returns ``([B, q, Hq, D], None)`` like HF's kernels."""
     b, hq, q, d = query.shape
-    groups = hq // key.shape[1]
+    hkv = key.shape[1]
+    groups = hq // hkv
     if q == 1 and groups > 1:
         # Decode: fold the query heads that share a KV head into the query axis, so the kernel
-        # reads each cached KV head once instead of a repeat_kv copy of the whole cache.
-        out = F.scaled_dot_product_attention(query.view(b, key.shape[1], groups, d), key, value,
+        # reads each cached KV head once instead of a repeat_kv copy of the whole cache. Head
+        # h = kv * groups + g (repeat_kv's order). The kernels may return [b, hkv, groups, d]
+        # with any strides (CUDA's come back non-contiguous), so reshape, never view.
+        out = F.scaled_dot_product_attention(query.reshape(b, hkv, groups, d), key, value,
                                              attn_mask=attention_mask, scale=scaling)
-        out = out.view(b, hq, 1, d)
+        return out.reshape(b, 1, hq, d), None
     else:
         if groups > 1:
             key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
