@@ -136,9 +136,15 @@ class RolloutConfig:
     kv_cache_mb: int = 256
     """vLLM KV-cache size in MiB (vLLM's default would take 90% of memory)."""
     max_model_len: int = 512
-    """vLLM: longest prompt + response in tokens."""
+    """vllm and hf_fast: longest prompt + response in tokens (hf_fast sizes its KV cache by it)."""
     gpu_memory_utilization: float = 0.5
     """vLLM on GPU: fraction of GPU memory for weights + KV (ignored on CPU)."""
+    enable_prefix_caching: bool = True
+    """Prefill a group's shared prompt once (vllm: prefix caching, reset on updates; hf_fast: K/V fork)."""
+    enforce_eager: bool = True
+    """vLLM: run eagerly; false captures CUDA graphs (GPU only)."""
+    tensor_parallel_size: int = 1
+    """vLLM: GPUs one engine shards the model over (tensor parallel; > 1 needs CUDA)."""
     record_routing: bool = False
     """Record routed-expert ids per token (trajectory key routed_experts; all engines)."""
     parity_probes: int = 0
@@ -155,6 +161,16 @@ class RolloutConfig:
         _check(self.max_model_len >= 2, f"{p}.max_model_len", self.max_model_len, "must be >= 2")
         _check(0 < self.gpu_memory_utilization <= 1, f"{p}.gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")
+        _check(self.tensor_parallel_size >= 1, f"{p}.tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
+        _check(self.tensor_parallel_size == 1 or (self.engine == "vllm" and self.device.startswith("cuda")),
+               f"{p}.tensor_parallel_size", self.tensor_parallel_size,
+               "> 1 needs rollout.engine = 'vllm' on a CUDA device")
+        _check(self.enforce_eager or (self.engine == "vllm" and self.device.startswith("cuda")),
+               f"{p}.enforce_eager", self.enforce_eager,
+               "false (CUDA graphs) needs rollout.engine = 'vllm' on a CUDA device (hf_fast captures graphs on CUDA itself)")
+        if self.engine in ("vllm", "hf_fast"):
+            _check(self.max_new_tokens < self.max_model_len, f"{p}.max_new_tokens", self.max_new_tokens,
+                   f"must be < rollout.max_model_len = {self.max_model_len} (prompt + response must fit)")
         _check(self.parity_probes >= 0, f"{p}.parity_probes", self.parity_probes, "must be >= 0")
         _check(not (self.inflight_updates and self.engine == "hf"), f"{p}.inflight_updates", self.inflight_updates,
                "in-flight weight updates need rollout.engine = 'hf_fast' or 'vllm' (hf uses model.generate)")

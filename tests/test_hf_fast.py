@@ -152,6 +152,29 @@ def test_bad_updates_and_inputs_raise_without_side_effects(tiny):
         FastHFEngine(model, tok, batch_size=0)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_shared_prompt_groups_equal_separate_prefills(tiny, temperature):
+    """Groups of 4 over 5 slots (groups split across refills): forking one prefill's K/V gives the
+    tokens and log-probs of prefilling every copy, with fewer prompt tokens run."""
+    model, tok = tiny
+    groups = _prompts(3, seed=6, lo=4, hi=14)
+    prompts = [p for p in groups for _ in range(4)]
+    runs = {}
+    for share in (True, False):
+        eng = FastHFEngine(model, tok, batch_size=5, max_seq_len=40, share_prompts=share, sync_every=2)
+        torch.manual_seed(0)
+        runs[share] = (eng.generate(prompts, MAX_NEW, temperature=temperature), eng.prefill_tokens)
+    (shared, n_shared), (separate, n_separate) = runs[True], runs[False]
+    assert shared.tokens == separate.tokens
+    torch.testing.assert_close(torch.tensor(sum(shared.logprobs, [])), torch.tensor(sum(separate.logprobs, [])),
+                               atol=1e-5, rtol=0)
+    assert n_separate == sum(len(p) for p in prompts)
+    # each refill runs a distinct prompt once; a group split over two refills runs twice
+    assert sum(len(p) for p in groups) <= n_shared <= n_separate * 0.6
+    if temperature:
+        assert len({tuple(t) for t in shared.tokens[:4]}) > 1  # the group's samples differ after the fork
+
+
 def test_bench_reports_ratio():
     from streamrl.bench.hf_fast import bench_fast_vs_generate
 

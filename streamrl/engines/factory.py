@@ -49,12 +49,14 @@ def build_engine(cfg: Config, model=None, tok=None):
             model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
         # One slot per sequence of a worker batch: the batch stays full through refills.
         return FastHFEngine(model, tok, device=rc.device, batch_size=rc.prompts_per_batch * rc.group_size,
-                            record_routing=rc.record_routing)
+                            max_seq_len=rc.max_model_len, record_routing=rc.record_routing,
+                            share_prompts=rc.enable_prefix_caching)
     if rc.engine == "vllm":
         from streamrl.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_folder(cfg, model, tok), dtype=cfg.model.dtype,
                           kv_cache_bytes=rc.kv_cache_mb << 20, max_model_len=rc.max_model_len,
                           seed=cfg.run.seed, gpu_memory_utilization=rc.gpu_memory_utilization,
-                          record_routing=rc.record_routing)
+                          record_routing=rc.record_routing, enable_prefix_caching=rc.enable_prefix_caching,
+                          enforce_eager=rc.enforce_eager, tensor_parallel_size=rc.tensor_parallel_size)
     raise ValueError(f"rollout.engine = {rc.engine!r}: must be one of {ENGINES}")

@@ -1,7 +1,12 @@
 """transformers engine: batched sampling with KV cache, behaviour log-probs, routing capture.
 
 Sampling uses the plain tempered softmax (no top-k/top-p), so the recorded ``log mu`` is
-exactly the distribution the learner's importance weights assume. With ``record_routing``
+exactly the distribution the learner's importance weights assume. The model folder's
+``generation_config.json`` (repetition penalty, min-p, top-k, ...) is switched off: transformers
+fills every field a call leaves unset from ``model.generation_config``, so the engine replaces
+that with a neutral config, and it scores the *processed* scores ``generate()`` sampled from
+(on the device, the drawn token only), so nothing can reshape the distribution unrecorded.
+With ``record_routing``
 a forward hook on every MoE router keeps the top-k expert ids of each generation step, so
 trajectories can carry ``routed_experts`` for routing replay in the learner.
 """
@@ -11,6 +16,7 @@ from typing import Iterable
 
 import torch
 import torch.nn.functional as F
+from transformers import GenerationConfig
 
 from streamrl.engines.base import Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
 
@@ -19,6 +25,16 @@ def find_routers(model) -> list[torch.nn.Module]:
     """MoE router modules in layer order (transformers 5 ``*TopKRouter``: returns logits, weights, ids)."""
     return [m for name, m in model.named_modules()
             if name.endswith("mlp.gate") and hasattr(m, "top_k") and hasattr(m, "weight")]
+
+
+def neutral_generation_config(eos_id: int | None, pad_id: int | None) -> GenerationConfig:
+    """A generation config with no logits processor of its own (library defaults only).
+
+    ``generate()`` fills every field a call leaves unset from ``model.generation_config``; with
+    this one in its place a folder's ``repetition_penalty``, ``min_p``, ``top_k``, bad words,
+    minimum lengths etc. cannot reshape the sampling distribution behind the recorded log-probs.
+    """
+    return GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
 
 
 class HFEngine:
@@ -32,6 +48,8 @@ class HFEngine:
         self.device = torch.device(device)
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        # The sampling distribution is the behaviour policy: nothing from the folder may reshape it.
+        self.model.generation_config = neutral_generation_config(self.eos_id, self.pad_id)
         self._params = dict(self.model.named_parameters())
         self.routers = find_routers(self.model) if record_routing else []
         self._steps: list[list[torch.Tensor]] | None = None  # per forward: per layer [N, k]
@@ -62,15 +80,17 @@ class HFEngine:
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
                 do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                max_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True,
+                max_new_tokens=max_new_tokens, output_scores=True, return_dict_in_generate=True,
                 pad_token_id=self.pad_id, eos_token_id=self.eos_id,
             )
             steps, self._steps = self._steps, None
         finally:
             self._steps = None
-        seq = out.sequences[:, width:].cpu()  # [B, T_new]
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, T_new, V]
-        lp = F.log_softmax(logits / temperature, dim=-1).gather(-1, seq.unsqueeze(-1)).squeeze(-1)
+        seq_dev = out.sequences[:, width:]  # [B, T_new]
+        lp = torch.empty(seq_dev.shape, dtype=torch.float32, device=seq_dev.device)
+        for t, scores in enumerate(out.scores):  # [B, V] each: the tempered logits multinomial drew from
+            lp[:, t] = F.log_softmax(scores.float(), dim=-1).gather(-1, seq_dev[:, t:t + 1]).squeeze(-1)
+        seq, lp = seq_dev.cpu(), lp.cpu()
         routing = self._routing_tensor(steps, b, width, seq.shape[1]) if steps else None  # [B, T, L, k]
         tokens, logprobs, routed = [], [], []
         for i in range(b):

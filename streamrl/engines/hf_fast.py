@@ -18,6 +18,8 @@ with its own loop:
   replay uses the new weights without a re-capture.
 * **Continuous refill**: every ``sync_every`` steps the host reads the ``done`` flags (the only
   host sync of the loop), harvests finished slots and prefills new prompts into them.
+* **Shared prompts**: a refill runs each distinct prompt through the model once and copies its
+  K/V rows into the slots of the other samples of its group (``share_prompts``).
 * **Sampling on the device**: temperature (a device scalar, so no re-capture per call),
   top-k/top-p, Gumbel-max draw (``probs / Exp(1)`` argmax, capturable) and the log-prob of
   the drawn token under the distribution actually sampled from.
@@ -51,13 +53,16 @@ def _static_attention(module, query, key, value, attention_mask, scaling=None, d
     """SDPA over the static cache; query ``[B, Hq, q, D]``, key/value ``[B, Hkv, S, D]``,
     attention_mask bool ``[B|1, 1, q, S]``; returns ``([B, q, Hq, D], None)`` like HF's kernels."""
     b, hq, q, d = query.shape
-    groups = hq // key.shape[1]
+    hkv = key.shape[1]
+    groups = hq // hkv
     if q == 1 and groups > 1:
         # Decode: fold the query heads that share a KV head into the query axis, so the kernel
-        # reads each cached KV head once instead of a repeat_kv copy of the whole cache.
-        out = F.scaled_dot_product_attention(query.view(b, key.shape[1], groups, d), key, value,
+        # reads each cached KV head once instead of a repeat_kv copy of the whole cache. Head
+        # h = kv * groups + g (repeat_kv's order). The kernels may return [b, hkv, groups, d]
+        # with any strides (CUDA's come back non-contiguous), so reshape, never view.
+        out = F.scaled_dot_product_attention(query.reshape(b, hkv, groups, d), key, value,
                                              attn_mask=attention_mask, scale=scaling)
-        out = out.view(b, hq, 1, d)
+        return out.reshape(b, 1, hq, d), None
     else:
         if groups > 1:
             key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
@@ -84,6 +89,12 @@ class StaticKVCache:
         self.pos: torch.Tensor | None = None
         self.span = max_len
         self.prefill = False
+
+    def fork(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Copy positions ``0..length-1`` of slots ``src`` [n] into slots ``dst`` [n] (a shared prefix)."""
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         k, v = self.k[layer_idx], self.v[layer_idx]
@@ -145,6 +156,7 @@ class FastHFEngine:
             with graphs; falls back to the plain step if compilation fails).
         span_bucket: attended cache span is rounded up to a multiple of this (one graph each).
         sync_every: decode steps between reads of the ``done`` flags (refill granularity).
+        share_prompts: prefill identical prompts of one refill once and fork their K/V (groups).
         experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
             ``grouped_mm`` on CUDA in bf16/fp16, ``batched_mm`` on CUDA in fp32 (torch's grouped
             GEMM is bf16-only there and its fallback syncs), the model's own setting on CPU.
@@ -156,7 +168,7 @@ class FastHFEngine:
                  max_seq_len: int | None = None, top_k: int = 0, top_p: float = 1.0,
                  record_routing: bool = False, cuda_graphs: bool | None = None, span_bucket: int = 128,
                  sync_every: int = 8, experts_implementation: str | None = "auto",
-                 eos_token_id: int | None = None, compile: bool | None = None):
+                 eos_token_id: int | None = None, compile: bool | None = None, share_prompts: bool = True):
         for field, value, ok in (("batch_size", batch_size, batch_size > 0), ("top_k", top_k, top_k >= 0),
                                  ("top_p", top_p, 0.0 < top_p <= 1.0), ("span_bucket", span_bucket, span_bucket > 0),
                                  ("sync_every", sync_every, sync_every > 0)):
@@ -173,6 +185,8 @@ class FastHFEngine:
         self.embed, self.rotary, self.layers, self.norm = base.embed_tokens, base.rotary_emb, base.layers, base.norm
         self.lm_head = model.lm_head
         self.batch, self.top_k, self.top_p = batch_size, top_k, top_p
+        self.share_prompts = share_prompts
+        self.prefill_tokens = 0  # prompt tokens run through the model (shared prompts count once)
         self.max_len = max_seq_len or min(getattr(cfg, "max_position_embeddings", 4096), 4096)
         self.span_bucket, self.sync_every = span_bucket, sync_every
         self.graphs_on = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
@@ -242,14 +256,27 @@ class FastHFEngine:
         return x
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], greedy: bool) -> None:
-        """Prompts into ``slots``: K/V at positions ``0..P-1``, first token drawn (eager, variable shape)."""
-        n, p = len(slots), max(len(q) for q in prompts)
+        """Prompts into ``slots``: K/V at positions ``0..P-1``, first token drawn (eager, variable shape).
+
+        With ``share_prompts``, identical prompts (a GRPO group repeats one prompt G times) are
+        run through the model once, in the first of their slots, and the other slots get a copy
+        of its K/V (and routing) rows: the group forks from one prefill. Every slot still draws
+        its own first token from the shared last-position logits.
+        """
+        leader: dict[tuple[int, ...], int] = {}
+        src = [leader.setdefault(tuple(q), len(leader)) if self.share_prompts else i for i, q in enumerate(prompts)]
+        if self.share_prompts:
+            unique = [list(q) for q in leader]
+            lead_slots = [slots[src.index(u)] for u in range(len(unique))]
+        else:
+            unique, lead_slots = prompts, slots
+        n, p = len(unique), max(len(q) for q in unique)
         ids = torch.full((n, p), self.pad_id, dtype=torch.long)
-        for i, q in enumerate(prompts):  # right padding: each row starts at position 0
+        for i, q in enumerate(unique):  # right padding: each row starts at position 0
             ids[i, : len(q)] = torch.tensor(q)
         ids = ids.to(self.device)
-        lens = torch.tensor([len(q) for q in prompts], device=self.device)
-        rows = torch.tensor(slots, device=self.device)
+        lens = torch.tensor([len(q) for q in unique], device=self.device)
+        rows = torch.tensor(lead_slots, device=self.device)
         pos_ids = self.positions[:p].expand(n, p)
         causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None, None]
         self.cache.prefill, self.cache.rows = True, rows
@@ -259,12 +286,23 @@ class FastHFEngine:
             x = self._layers(self.embed(ids), causal, pos_ids)
         finally:
             self.cache.prefill, self._route_at = False, None
-        logits = self.lm_head(self.norm(x[torch.arange(n, device=self.device), lens - 1])).float()
+        self.prefill_tokens += int(sum(len(q) for q in unique))
+        logits = self.lm_head(self.norm(x[torch.arange(n, device=self.device), lens - 1])).float()  # [n, V]
+        all_rows = torch.tensor(slots, device=self.device)
+        if len(unique) < len(prompts):
+            pick = torch.tensor(src, device=self.device)
+            forks = [i for i, s in enumerate(slots) if s not in lead_slots]
+            dst = all_rows[forks]
+            from_rows = rows[pick[forks]]
+            self.cache.fork(from_rows, dst, p)
+            if self.route_hist is not None:
+                self.route_hist[dst, :p] = self.route_hist[from_rows, :p]
+            logits, lens = logits[pick], lens[pick]
         tok, lp = sample_tokens(logits, None if greedy else self.temp, self.top_k, self.top_p)
-        self.out_tok[rows, 0], self.out_lp[rows, 0] = tok, lp
-        self.tok[rows], self.pos[rows] = tok, lens
-        self.gen[rows] = 1
-        self.done[rows] = (tok == self.eos_id) | (self.max_new <= 1)
+        self.out_tok[all_rows, 0], self.out_lp[all_rows, 0] = tok, lp
+        self.tok[all_rows], self.pos[all_rows] = tok, lens
+        self.gen[all_rows] = 1
+        self.done[all_rows] = (tok == self.eos_id) | (self.max_new <= 1)
 
     def _decode(self, span: int, greedy: bool) -> None:
         """One step for all ``B`` slots; device ops on persistent buffers only (captured as is)."""

