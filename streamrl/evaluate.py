@@ -39,6 +39,7 @@ from streamrl.tasks.registry import Problem, eval_problems
 from streamrl.workers.rollout import PromptEncoder
 
 CORRECT = 1.0 - 1e-6  # a response is correct when its eval reward reaches 1 (float slack)
+EVAL_FILE = "eval.json"  # RUN_DIR/eval.json: the evaluator's latest and best rows
 
 
 def eval_set(cfg: Config, task) -> list[Problem]:
@@ -119,6 +120,18 @@ def evaluate_config(model, tok, cfg: Config, task=None, problems: list[Problem] 
                     max_new_tokens=max_new_tokens or e.max_new_tokens or cfg.rollout.max_new_tokens,
                     batch_size=batch_size or e.batch_size, samples=e.samples, temperature=e.temperature,
                     seed=cfg.run.seed)
+
+
+def read_eval_summary(run_dir: str | Path) -> dict | None:
+    """``{"latest": row, "best": row, "evaluations": n}`` from ``RUN_DIR/eval.json`` (written by
+    the evaluator process), or None when the run has no evaluations; for ``summary.json``."""
+    path = Path(run_dir) / EVAL_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as e:  # written atomically, so only a foreign file gets here
+        raise ValueError(f"{path}: not JSON ({e.msg})") from None
 
 
 def load_for_eval(cfg: Config, checkpoint: str | None, device: str = "cpu"):
