@@ -145,3 +145,17 @@ def test_datasets_only_for_reasoning_gym():
 ])
 def test_extract_answer(response, expected, got):
     assert extract_answer(response, expected) == got
+
+
+def test_smol_reasoning_recipe_mixes_its_datasets_on_held_out_items():
+    cfg = load_config("configs/smol-reasoning.yaml")
+    from streamrl.evaluate import eval_set
+    from streamrl.tasks import build_task
+
+    task = build_task(cfg.task)
+    held = eval_set(cfg, task)
+    assert len(held) == cfg.eval.size
+    assert {p.fields["source_dataset"] for p in held} == set(cfg.task.datasets)
+    assert all(p.fields["metadata"]["source_index"] % 2 == 1 for p in held)
+    assert any(len(str(abs(int(p.answer)))) >= 3 for p in held)  # 3-digit operands
+    assert any("*" in p.prompt for p in held)  # multiplication

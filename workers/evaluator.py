@@ -13,7 +13,8 @@ Each evaluation (see :func:`streamrl.evaluate.evaluate`) is written
 * to ``RUN_DIR/metrics.jsonl`` as one line ``{"eval/version", "eval/accuracy", ...,
   "time"}``, with a single ``write`` on an ``O_APPEND`` descriptor so it never interleaves
   with the learner's lines in the same file;
-* to Redis metrics (process ``eval``) for ``streamrl-monitor``;
+* to Redis metrics (process ``eval``) for ``streamrl-monitor``, and to TensorBoard
+  (``RUN_DIR/tb``, step = version);
 * to ``RUN_DIR/eval.json``: ``{"latest": row, "best": row, "evaluations": n}`` (replaced
   atomically), which the run summary merges (:func:`streamrl.evaluate.read_eval_summary`).
 """
@@ -33,7 +34,7 @@ from streamrl.config import config_from_dict
 from streamrl.coord.coordinator import Coordinator
 from streamrl.engines.hf import HFEngine
 from streamrl.evaluate import EVAL_FILE, eval_set, evaluate_config
-from streamrl.metrics import RateLimitedRedisSink
+from streamrl.metrics import MultiSink, RateLimitedRedisSink, tensorboard_sink
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.tasks import build_task
 from streamrl.utils import limit_threads, setup_logging
@@ -73,9 +74,11 @@ class Evaluator:
         self.task = build_task(cfg.task)
         self.problems = eval_set(cfg, self.task)
         self.subscriber = make_subscriber(self.coord, cfg, device=device)
-        self.metrics = RateLimitedRedisSink(self.coord, "eval")
         self.run_dir = Path(cfg.run.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # TensorBoard: a second event file in the learner's tb/ folder, eval/* scalars at step = version
+        self.metrics = MultiSink(RateLimitedRedisSink(self.coord, "eval"),
+                                 tensorboard_sink(self.run_dir / "tb", step_key="eval/version"))
         self.interval = max(cfg.eval.interval, 1)
         self.last: int | None = None
         self.best: dict | None = None
