@@ -148,12 +148,10 @@ def test_extract_answer(response, expected, got):
 
 
 def test_smol_reasoning_recipe_mixes_its_datasets_on_held_out_items():
-    cfg = load_config("configs/smol-reasoning.yaml")
-    from streamrl.evaluate import eval_set
     from streamrl.tasks import build_task
 
-    task = build_task(cfg.task)
-    held = eval_set(cfg, task)
+    cfg = load_config("configs/smol-reasoning.yaml")
+    held = eval_problems(build_task(cfg.task), cfg.run.seed, cfg.eval.size)  # what streamrl-eval scores
     assert len(held) == cfg.eval.size
     assert {p.fields["source_dataset"] for p in held} == set(cfg.task.datasets)
     assert all(p.fields["metadata"]["source_index"] % 2 == 1 for p in held)
