@@ -136,4 +136,9 @@ def _processes(launch: Launch, url: str, state: RunState):
                        max_restarts=launch.args.max_restarts, backoff_s=launch.args.restart_backoff)
         for wid, r in zip(ids, launch.plan.rollouts)
     ]
+    if launch.head and launch.cfg.eval.interval > 0:  # the evaluator: supervised like a worker (restarts, parks)
+        rollers.append(ManagedProcess(
+            "evaluator", [sys.executable, "-m", "streamrl.workers.evaluator", "--redis-url", url, "--run-id",
+                          launch.run_id], logs / "evaluator.log", env=dict(BASE_ENV),
+            max_restarts=launch.args.max_restarts, backoff_s=launch.args.restart_backoff))
     return learner, rollers

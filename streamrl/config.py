@@ -98,15 +98,90 @@ class TaskConfig:
     """Registered task name (see streamrl.tasks.registry)."""
     num_digits: int = 4
     """Digits per prompt for digit tasks; operand digits for arithmetic."""
-    eval_size: int = 64
-    """Held-out prompts for evaluation."""
+    datasets: dict[str, Any] | None = None
+    """reasoning_gym: {dataset: weight | {weight, **dataset options}}; null = basic_arithmetic, chain_sum, products."""
+    answer_format: str = "final"
+    """reasoning_gym: instruction after each question: final (only the answer), tag (<answer></answer>), none."""
+    partial_credit: bool = False
+    """reasoning_gym: keep the scorers' partial credit (e.g. 0.8 for '63700' when '6370' is right); false = 0."""
 
     def validate(self, p: str) -> None:
         from streamrl.tasks import available_tasks
+        from streamrl.tasks.reasoning import ANSWER_FORMATS, parse_datasets
 
         _check(self.name in available_tasks(), f"{p}.name", self.name,
                f"unknown task; known: {sorted(available_tasks())}")
         _check(1 <= self.num_digits <= 12, f"{p}.num_digits", self.num_digits, "must be in [1, 12]")
+        _check(self.answer_format in ANSWER_FORMATS, f"{p}.answer_format", self.answer_format,
+               f"must be one of {sorted(ANSWER_FORMATS)}")
+        if self.name != "reasoning_gym":
+            _check(self.datasets is None, f"{p}.datasets", self.datasets, "only task.name = reasoning_gym uses it")
+            _check(not self.partial_credit, f"{p}.partial_credit", self.partial_credit,
+                   "only task.name = reasoning_gym uses it")
+            return
+        try:
+            parse_datasets(self.datasets, f"{p}.datasets")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+@dataclass
+class DataConfig:
+    """Training prompts from a file (:mod:`streamrl.tasks.datasets`) instead of the task generator."""
+
+    path: str = ""
+    """JSONL file, Parquet file or datasets folder (save_to_disk) of training prompts; empty = the task generator."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: text, or chat messages [{role, content}, ...]."""
+    answer_key: str = "answer"
+    """Column holding the reference answer (text or a number); other columns reach rewards in Problem.fields."""
+    split: str = "train"
+    """Split taken from a DatasetDict folder (also for eval.dataset)."""
+
+    def validate(self, p: str) -> None:
+        _check(bool(self.prompt_key), f"{p}.prompt_key", self.prompt_key, "must be non-empty")
+        _check(bool(self.answer_key), f"{p}.answer_key", self.answer_key, "must be non-empty")
+        _check(self.prompt_key != self.answer_key, f"{p}.answer_key", self.answer_key,
+               "must differ from data.prompt_key")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation during training (the evaluator process) and for ``streamrl-eval``."""
+
+    interval: int = 0
+    """Evaluate every this many learner versions (0 = no evaluator process; streamrl-eval still works)."""
+    dataset: str = ""
+    """Held-out file or folder (data.prompt_key/answer_key mapping); empty = held-out seeds of the task generator."""
+    size: int = 64
+    """Problems evaluated: the first eval.size rows of eval.dataset, or that many held-out generator problems."""
+    samples: int = 0
+    """pass@k: sample this many responses per problem at eval.temperature (0 = greedy accuracy only)."""
+    temperature: float = 1.0
+    """Sampling temperature of the pass@k samples."""
+    max_new_tokens: int = 0
+    """Response length cap for evaluation; 0 = rollout.max_new_tokens."""
+    batch_size: int = 32
+    """Prompts decoded together."""
+    reward: str = "task"
+    """Reward spec scoring correctness (a response is correct when it scores >= 1): task, math_verify, ..."""
+    device: str = "cpu"
+    """Device of the evaluator's model."""
+
+    def validate(self, p: str) -> None:
+        _check(self.interval >= 0, f"{p}.interval", self.interval, "must be >= 0")
+        _check(self.size >= 1, f"{p}.size", self.size, "must be >= 1")
+        _check(self.samples >= 0, f"{p}.samples", self.samples, "must be >= 0")
+        _check(self.temperature > 0, f"{p}.temperature", self.temperature, "must be > 0")
+        _check(self.max_new_tokens >= 0, f"{p}.max_new_tokens", self.max_new_tokens, "must be >= 0")
+        _check(self.batch_size >= 1, f"{p}.batch_size", self.batch_size, "must be >= 1")
+        if self.reward != "task":
+            from streamrl.rewards import RewardSpecError, parse_reward_spec
+
+            try:
+                parse_reward_spec(self.reward)
+            except RewardSpecError as e:
+                raise ConfigError(f"config field '{p}.reward' = {self.reward!r}: {e}") from None
 
 
 @dataclass
@@ -418,6 +493,8 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

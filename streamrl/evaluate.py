@@ -1,14 +1,25 @@
-"""Held-out evaluation: greedy accuracy of a model (or a learner checkpoint) on a task.
+"""Held-out evaluation: greedy accuracy and pass@k of a model (or a learner checkpoint).
 
 ``streamrl-eval --config C [--checkpoint latest|PATH] [--json]`` builds the configured model,
-optionally loads learner weights from a DCP checkpoint (single process), and decodes the
-task's held-out problems greedily (``task.eval_size`` of them, disjoint in seed space from the
-training streams). Accuracy is the share of problems whose task reward is 1 (exact answer);
-``reward_mean`` keeps partial credit. Routing is deterministic in eval mode.
+optionally loads learner weights from a DCP checkpoint (single process), and scores the
+held-out set: the first ``eval.size`` rows of ``eval.dataset``, or ``eval.size`` problems the
+task generator draws from seeds training never uses. The evaluator process
+(``workers/evaluator.py``, ``eval.interval > 0``) runs the same :func:`evaluate` during training.
+
+Figures (keys as written to metrics.jsonl):
+
+* ``eval/accuracy``: share of problems whose greedy response is correct: it scores >= 1 under
+  ``eval.reward`` (default ``task``: the task's own reward; ``math_verify`` for free-form math);
+* ``eval/reward_mean``: mean greedy reward (keeps partial credit);
+* with ``eval.samples = k > 0``: ``eval/pass@k`` (share of problems with at least one correct
+  of k samples at ``eval.temperature``) and ``eval/mean@k`` (share of correct samples, an
+  estimate of pass@1 at that temperature).
+
+Routing is deterministic in eval mode.
 
 Examples:
-    streamrl-eval --config configs/smol-moe.yaml --json                       # before training
-    streamrl-eval --config configs/smol-moe.yaml --checkpoint latest --json   # after
+    streamrl-eval --config configs/smol-reasoning.yaml --json                       # before training
+    streamrl-eval --config configs/smol-reasoning.yaml --checkpoint latest --json   # after
 """
 from __future__ import annotations
 
@@ -21,36 +32,106 @@ from pathlib import Path
 import torch
 
 from streamrl.config import Config, load_config
-from streamrl.rewards import response_text
-from streamrl.tasks import get_task
+from streamrl.rewards import CombinedReward, build_reward, response_texts
+from streamrl.tasks import build_task
+from streamrl.tasks.datasets import load_problems
 from streamrl.tasks.registry import Problem, eval_problems
 from streamrl.workers.rollout import PromptEncoder
 
+CORRECT = 1.0 - 1e-6  # a response is correct when its eval reward reaches 1 (float slack)
+EVAL_FILE = "eval.json"  # RUN_DIR/eval.json: the evaluator's latest and best rows
+
+
+def eval_set(cfg: Config, task) -> list[Problem]:
+    """The held-out problems: ``eval.dataset``'s first ``eval.size`` rows, else the task's held-out seeds."""
+    if cfg.eval.dataset:
+        d = cfg.data
+        return load_problems(cfg.eval.dataset, d.prompt_key, d.answer_key, d.split, field="eval.dataset")[:cfg.eval.size]
+    return eval_problems(task, cfg.run.seed, cfg.eval.size)
+
 
 @torch.no_grad()
-def greedy_eval(model, tok, task, problems: list[Problem], *, chat_template: bool, max_new_tokens: int,
-                batch_size: int = 32) -> dict[str, float]:
-    """Greedy-decode every problem; returns ``accuracy`` (reward == 1), ``reward_mean`` and ``n``."""
+def decode(model, tok, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None = None,
+           samples: int = 1) -> list[list[str]]:
+    """Responses to ``prompts`` (token ids, any lengths): ``[len(prompts)][samples]`` texts.
+
+    ``temperature=None`` decodes greedily (one response each); otherwise ``samples`` responses
+    are drawn from the plain tempered softmax (no top-k / top-p from the model's generation config).
+    """
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    width = max(map(len, prompts))
+    inp = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(inp)
+    for i, row in enumerate(prompts):  # left padding keeps every prompt's last token aligned
+        inp[i, width - len(row):] = torch.tensor(row)
+        attn[i, width - len(row):] = 1
+    dev = next(model.parameters()).device
+    kw = (dict(do_sample=False, num_return_sequences=1) if temperature is None else
+          dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, num_return_sequences=samples))
+    out = model.generate(input_ids=inp.to(dev), attention_mask=attn.to(dev), max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
+    texts = response_texts(tok, out[:, width:].cpu().tolist())
+    k = kw["num_return_sequences"]
+    return [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
+
+
+def evaluate(model, tok, problems: list[Problem], reward: CombinedReward, *, chat_template: bool,
+             max_new_tokens: int, batch_size: int = 32, samples: int = 0, temperature: float = 1.0,
+             seed: int = 0) -> dict[str, float]:
+    """Greedy accuracy (and pass@k with ``samples = k > 0``) of ``model`` on ``problems``.
+
+    Returns ``{"eval/accuracy", "eval/reward_mean", "eval/n"}`` plus ``"eval/pass@k"`` and
+    ``"eval/mean@k"`` when sampling (see the module doc).
+    """
+    was_training = model.training
     model.eval()
     encode = PromptEncoder(tok, chat_template)  # the worker's encoding: eval prompts match training's
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    rewards = []
+    greedy, solved, sample_hits = [], 0, 0
+    gen = torch.Generator().manual_seed(seed)
     for lo in range(0, len(problems), batch_size):
         chunk = problems[lo: lo + batch_size]
         ids = [encode(p.prompt) for p in chunk]
-        width = max(map(len, ids))
-        inp = torch.full((len(ids), width), pad, dtype=torch.long)
-        attn = torch.zeros_like(inp)
-        for i, row in enumerate(ids):  # left padding
-            inp[i, width - len(row):] = torch.tensor(row)
-            attn[i, width - len(row):] = 1
-        dev = next(model.parameters()).device
-        out = model.generate(input_ids=inp.to(dev), attention_mask=attn.to(dev), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id)
-        for p, seq in zip(chunk, out[:, width:].cpu().tolist()):
-            rewards.append(float(task.reward(p, response_text(tok, seq))))
-    return {"accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
-            "reward_mean": sum(rewards) / max(len(rewards), 1), "n": len(rewards)}
+        texts = [t[0] for t in decode(model, tok, ids, max_new_tokens=max_new_tokens)]
+        greedy += reward.score(chunk, texts)[0]
+        if samples > 0:
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # reproducible samples
+            drawn = decode(model, tok, ids, max_new_tokens=max_new_tokens, temperature=temperature, samples=samples)
+            for p, group in zip(chunk, drawn):
+                hits = sum(r >= CORRECT for r in reward.score([p] * len(group), group)[0])
+                solved += hits > 0
+                sample_hits += hits
+    model.train(was_training)
+    n = max(len(problems), 1)
+    out = {"eval/accuracy": sum(r >= CORRECT for r in greedy) / n, "eval/reward_mean": sum(greedy) / n,
+           "eval/n": len(problems)}
+    if samples > 0:
+        out[f"eval/pass@{samples}"] = solved / n
+        out[f"eval/mean@{samples}"] = sample_hits / (n * samples)
+    return out
+
+
+def evaluate_config(model, tok, cfg: Config, task=None, problems: list[Problem] | None = None,
+                    max_new_tokens: int | None = None, batch_size: int | None = None) -> dict[str, float]:
+    """:func:`evaluate` with everything taken from ``cfg`` (``eval.*``, ``rollout.chat_template``)."""
+    task = task if task is not None else build_task(cfg.task)
+    problems = problems if problems is not None else eval_set(cfg, task)
+    e = cfg.eval
+    return evaluate(model, tok, problems, build_reward(e.reward, task), chat_template=cfg.rollout.chat_template,
+                    max_new_tokens=max_new_tokens or e.max_new_tokens or cfg.rollout.max_new_tokens,
+                    batch_size=batch_size or e.batch_size, samples=e.samples, temperature=e.temperature,
+                    seed=cfg.run.seed)
+
+
+def read_eval_summary(run_dir: str | Path) -> dict | None:
+    """``{"latest": row, "best": row, "evaluations": n}`` from ``RUN_DIR/eval.json`` (written by
+    the evaluator process), or None when the run has no evaluations; for ``summary.json``."""
+    path = Path(run_dir) / EVAL_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as e:  # written atomically, so only a foreign file gets here
+        raise ValueError(f"{path}: not JSON ({e.msg})") from None
 
 
 def load_for_eval(cfg: Config, checkpoint: str | None, device: str = "cpu"):
@@ -76,23 +157,30 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="streamrl-eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--checkpoint", default=None, help="'latest' (in the run's checkpoint dir) or a checkpoint path")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_new_tokens")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--device", default=None, help="default: rollout.device")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens")
+    p.add_argument("--batch-size", type=int, default=None, help="default: eval.batch_size")
+    p.add_argument("--device", default=None, help="default: eval.device")
     p.add_argument("--json", action="store_true")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. eval.size=200 eval.samples=8")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        task = build_task(cfg.task)
+        problems = eval_set(cfg, task)
+    except ValueError as e:  # ConfigError is one; bad eval.dataset files too
+        print(f"streamrl-eval: {e}", file=sys.stderr)
+        return 2
     t0 = time.time()
-    model, tok = load_for_eval(cfg, args.checkpoint, args.device or cfg.rollout.device)
-    task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
-    problems = eval_problems(task, cfg.run.seed, cfg.task.eval_size)
-    res = greedy_eval(model, tok, task, problems, chat_template=getattr(cfg.rollout, "chat_template", False),
-                      max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens, batch_size=args.batch_size)
+    model, tok = load_for_eval(cfg, args.checkpoint, args.device or cfg.eval.device)
+    res = evaluate_config(model, tok, cfg, task, problems, args.max_new_tokens, args.batch_size)
     res.update({"checkpoint": args.checkpoint, "task": cfg.task.name, "seconds": time.time() - t0})
-    print(json.dumps(res) if args.json else
-          f"accuracy {res['accuracy']:.3f}  reward {res['reward_mean']:.3f}  n {res['n']}  ({res['seconds']:.0f} s)")
+    if args.json:
+        print(json.dumps(res))
+    else:
+        extra = "".join(f"  {k[5:]} {v:.3f}" for k, v in res.items() if k.startswith("eval/pass@") or k.startswith("eval/mean@"))
+        print(f"accuracy {res['eval/accuracy']:.3f}  reward {res['eval/reward_mean']:.3f}{extra}  "
+              f"n {res['eval/n']}  ({res['seconds']:.0f} s)")
     return 0
 
 

@@ -1,6 +1,9 @@
 """Reward functions from a registry: verifiable rewards and ``module:function`` plug-ins.
 
-A reward function maps ``(problem, response_text) -> float``. A *reward spec* (config
+A reward function maps ``(problem, response_text) -> float``. Everything else known about the
+problem reaches it in ``problem.fields``: the other columns of a dataset row
+(:mod:`streamrl.tasks.datasets`) or a generator's metadata (reasoning-gym). Built-ins:
+``exact_answer``, ``format``, ``math_verify`` (answer equivalence with math-verify). A *reward spec* (config
 ``rollout.rewards``) combines several with weights: ``"exact_answer=1.0,format=0.1"``.
 Names resolve in this order: the built-ins below (``task`` = the task's own reward),
 then ``package.module:function`` imported on first use. An optional *reward model* is a
@@ -27,13 +30,16 @@ Examples:
 from __future__ import annotations
 
 import importlib
+import logging
 import re
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
 from streamrl.tasks.registry import Problem
 
 RewardFn = Callable[[Problem, str], float]
+log = logging.getLogger(__name__)
 _INT = re.compile(r"-?\d+")
 _REGISTRY: dict[str, RewardFn] = {}
 
@@ -82,6 +88,29 @@ def format_reward(problem: Problem, response: str) -> float:
     if _INT.fullmatch(problem.answer.strip()):
         return float(_INT.fullmatch(text.rstrip(".")) is not None)
     return float(bool(text) and "\n" not in text)
+
+
+# math-verify bounds parse/verify time with signal.alarm, which only the main thread may use.
+MATH_VERIFY_TIMEOUT_S = 5
+
+
+@register_reward("math_verify")
+def math_verify_reward(problem: Problem, response: str) -> float:
+    """1 when the response's final answer is mathematically equal to ``problem.answer``
+    (math-verify: ``1/2`` == ``0.5`` == ``\\frac{1}{2}`` == ``\\boxed{0.5}``; LaTeX or plain).
+
+    The reference is parsed as written (``$...$`` and ``\\boxed{}`` work too). Outside the
+    main thread the parse runs without math-verify's alarm-based timeout (it cannot set one).
+    """
+    from math_verify import parse, verify  # noqa: PLC0415 (sympy: paid only by runs that use it)
+
+    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = parse(problem.answer, parsing_timeout=timeout)
+    if not gold:  # a bad reference in the data: say so, score 0, keep the run going
+        log.warning("math_verify reward: the reference answer %r parses to nothing; scored 0", problem.answer)
+        return 0.0
+    pred = parse(response, parsing_timeout=timeout)
+    return float(bool(pred) and verify(gold, pred, timeout_seconds=timeout))
 
 
 def _import(target: str, field: str):

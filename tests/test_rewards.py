@@ -73,3 +73,33 @@ def test_parse_and_config_validation():
     assert parse_reward_spec("a=1,b") == [("a", 1.0), ("b", 1.0)]
     with pytest.raises(ConfigError, match="rollout.rewards"):
         load_config(None, ["rollout.rewards=exact_answer=x"])
+
+
+@pytest.mark.parametrize("gold,response", [
+    ("1/2", "The answer is 0.5"),
+    ("0.5", "$\\frac{1}{2}$"),
+    ("\\frac{1}{2}", "so the result is \\boxed{0.5}"),
+    ("$\\frac{755}{961}$", "755/961"),
+    ("47", "12 + 35 = 47"),
+    ("1010", "1,010"),
+    ("\\boxed{3}", "x = 3"),
+])
+def test_math_verify_accepts_equivalent_forms(gold, response):
+    fn = build_reward("math_verify")
+    assert fn.score([Problem("q", gold)], [response])[0] == [1.0]
+
+
+@pytest.mark.parametrize("gold,response", [("1/2", "0.25"), ("47", "48"), ("\\frac{1}{3}", "\\boxed{0.5}"), ("2", "")])
+def test_math_verify_rejects_wrong_answers(gold, response):
+    assert build_reward("math_verify").score([Problem("q", gold)], [response])[0] == [0.0]
+
+
+def test_math_verify_works_off_the_main_thread():
+    # math-verify's own timeout needs the main thread (signal.alarm); the reward must not crash elsewhere
+    import threading
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(build_reward("math_verify").score([Problem("q", "1/2")], ["0.5"])[0]))
+    t.start()
+    t.join(60)
+    assert out == [[1.0]]

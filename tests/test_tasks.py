@@ -53,3 +53,107 @@ def test_problem_streams_are_sharded_and_reproducible():
     again = problem_stream(task, seed=1, shard=0, num_shards=2)
     assert [next(again) for _ in range(20)] == a_items
     assert eval_problems(task, 1, 5) == eval_problems(task, 1, 5)
+
+
+# -- reasoning-gym ---------------------------------------------------------------------------
+
+from streamrl.config import ConfigError, load_config  # noqa: E402
+from streamrl.tasks.answers import extract_answer  # noqa: E402
+
+# every dataset configs/smol-reasoning.yaml trains on, plus a non-numeric and an expression answer
+RG_DATASETS = {
+    "basic_arithmetic": {"max_digits": 3, "operators": ["+", "-", "*"], "allow_parentheses": False},
+    "chain_sum": {"max_terms": 3, "max_digits": 3},
+    "products": {"max_digits": 2},
+    "leg_counting": {"max_animals": 3, "max_instances": 5},
+    "time_intervals": 1.0,
+    "countdown": 0.5,
+}
+
+
+@pytest.fixture(scope="module")
+def rg_task():
+    return get_task("reasoning_gym", datasets=RG_DATASETS)
+
+
+@pytest.mark.parametrize("name", sorted(RG_DATASETS))
+def test_reasoning_gym_each_dataset_scores_with_its_own_scorer(name):
+    task = get_task("reasoning_gym", datasets={name: RG_DATASETS[name]})
+    rng = random.Random(7)
+    for _ in range(5):
+        p = task.sample(rng)
+        assert p.fields["source_dataset"] == name and p.prompt.endswith("Give only the final answer.")
+        # the answer wrapped the ways a model writes it still scores 1; a wrong one does not
+        assert task.reward(p, f"The answer is {p.answer}.") == 1.0
+        assert task.reward(p, f"<answer>{p.answer}</answer>") == 1.0
+        assert task.reward(p, "I am not sure.") < 1.0
+        assert task.reward(p, "") == 0.0
+
+
+def test_reasoning_gym_numeric_answers_take_the_last_number(rg_task):
+    task = get_task("reasoning_gym", datasets={"products": {"max_digits": 2}})
+    p = task.sample(random.Random(0))
+    a, b = p.fields["metadata"]["expression"].split(" * ")
+    assert task.reward(p, f"{a} * {b} = {p.answer}") == 1.0
+    assert task.reward(p, f"{p.answer}0") == 0.0
+    assert task.reward(p, f"{int(p.answer) + 1}") == 0.0
+    lenient = get_task("reasoning_gym", datasets={"products": {"max_digits": 2}}, partial_credit=True)
+    assert 0 < lenient.reward(p, f"{p.answer}0") < 1  # the scorer's own substring credit
+
+
+def test_reasoning_gym_mix_follows_weights_and_held_out_items_are_never_trained(rg_task):
+    stream = problem_stream(rg_task, seed=0, shard=0, num_shards=1)
+    train = [next(stream) for _ in range(300)]
+    counts = {n: sum(p.fields["source_dataset"] == n for p in train) for n in RG_DATASETS}
+    assert all(c > 0 for c in counts.values()) and counts["countdown"] < counts["products"]
+    held = eval_problems(rg_task, 0, 100)
+    assert held == eval_problems(rg_task, 0, 100)  # reproducible
+    train_items = {(p.fields["source_dataset"], p.fields["metadata"]["source_index"]) for p in train}
+    held_items = {(p.fields["source_dataset"], p.fields["metadata"]["source_index"]) for p in held}
+    assert all(i % 2 == 0 for _, i in train_items) and all(i % 2 == 1 for _, i in held_items)
+    assert not train_items & held_items
+
+
+@pytest.mark.parametrize("override,match", [
+    ("task.datasets={nope: 1}", "task.datasets.nope: not a reasoning-gym dataset"),
+    ("task.datasets={products: 0}", "task.datasets.products.weight = 0"),
+    ("task.datasets={products: {max_digitz: 2}}", "task.datasets.products.*max_digitz"),
+    ("task.datasets={products: {seed: 2}}", "task.datasets.products.seed"),
+    ("task.answer_format=boxed", "task.answer_format"),
+])
+def test_reasoning_gym_config_errors_name_the_field(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["task.name=reasoning_gym", override])
+
+
+def test_datasets_only_for_reasoning_gym():
+    with pytest.raises(ConfigError, match="task.datasets"):
+        load_config(None, ["task.datasets={products: 1}"])
+
+
+@pytest.mark.parametrize("response,expected,got", [
+    ("12 + 35 = 47.", "47", "47"),
+    ("The total is 1,010 legs", "1010", "1010"),
+    ("-3", "-3", "-3"),
+    ("about 1.378.", "1.378", "1.378"),
+    ("<answer> 7 </answer> and then 9", "7", "7"),
+    ("so \\boxed{\\frac{1}{2}}", "0.5", "\\frac{1}{2}"),
+    ("Answer: 03:30:57.", "03:30:57", "03:30:57"),
+    ("work\n**53*58/53 + 53**", "53*58/53 + 53", "53*58/53 + 53"),
+    ("no digits", "5", None),
+    ("", "x", None),
+])
+def test_extract_answer(response, expected, got):
+    assert extract_answer(response, expected) == got
+
+
+def test_smol_reasoning_recipe_mixes_its_datasets_on_held_out_items():
+    from streamrl.tasks import build_task
+
+    cfg = load_config("configs/smol-reasoning.yaml")
+    held = eval_problems(build_task(cfg.task), cfg.run.seed, cfg.eval.size)  # what streamrl-eval scores
+    assert len(held) == cfg.eval.size
+    assert {p.fields["source_dataset"] for p in held} == set(cfg.task.datasets)
+    assert all(p.fields["metadata"]["source_index"] % 2 == 1 for p in held)
+    assert any(len(str(abs(int(p.answer)))) >= 3 for p in held)  # 3-digit operands
+    assert any("*" in p.prompt for p in held)  # multiplication

@@ -6,16 +6,26 @@ and a real pretrained model with its own tokenizer.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Protocol
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One prompt and the answer its reward is checked against."""
+    """One prompt and the answer its reward is checked against.
+
+    ``fields`` carries everything else known about the problem, for reward functions: the
+    other columns of a dataset row, or a generator's metadata (a reasoning-gym entry). It is
+    left out of equality and hashing, so two problems with the same prompt and answer are equal.
+    ``messages`` holds a dataset's chat messages (``[{"role", "content"}, ...]``) when the row
+    came as a conversation; ``prompt`` is then the last user message's text.
+    """
 
     prompt: str
     answer: str
+    fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), compare=False, hash=False)
+    messages: tuple[Mapping[str, str], ...] | None = field(default=None, compare=False, hash=False)
 
 
 class Task(Protocol):
@@ -28,6 +38,8 @@ class Task(Protocol):
         """Score a decoded response in [0, 1]."""
 
     # Optional (not part of the protocol's required surface):
+    # ``sample_held_out(rng) -> Problem`` draws from a part of the generator's seed space that
+    # ``sample`` never reaches (see :func:`eval_problems`).
     # ``token_credit(problem, response) -> list[float]``, one credit per character of
     # ``response`` summing to ``reward(problem, response)``. Tasks that define it let
     # ``rollout.token_rewards`` place reward on the tokens that earned it; the others get
@@ -59,6 +71,13 @@ def get_task(name: str, **kwargs) -> Task:
     return _REGISTRY[name](**kwargs)
 
 
+def build_task(task_cfg) -> Task:
+    """The task a :class:`~streamrl.config.TaskConfig` describes (every task gets every task
+    option; each takes the ones it knows)."""
+    return get_task(task_cfg.name, num_digits=task_cfg.num_digits, datasets=task_cfg.datasets,
+                    answer_format=task_cfg.answer_format, partial_credit=task_cfg.partial_credit)
+
+
 def problem_stream(task: Task, seed: int, shard: int, num_shards: int):
     """Endless, reproducible problems for one shard of the prompt space.
 
@@ -73,5 +92,11 @@ def problem_stream(task: Task, seed: int, shard: int, num_shards: int):
 
 
 def eval_problems(task: Task, seed: int, count: int) -> list[Problem]:
-    """A held-out evaluation set, disjoint in seed space from training streams."""
-    return [task.sample(random.Random(f"eval:{seed}:{i}")) for i in range(count)]
+    """A held-out evaluation set, disjoint in seed space from training streams.
+
+    Generators are seeded from ``"eval:..."`` strings, which training streams never use; a task
+    with ``sample_held_out`` (reasoning-gym: odd item indices, training draws even ones) keeps
+    its held-out items out of the training stream's reach as well.
+    """
+    draw = getattr(task, "sample_held_out", task.sample)
+    return [draw(random.Random(f"eval:{seed}:{i}")) for i in range(count)]

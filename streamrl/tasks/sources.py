@@ -1,42 +1,27 @@
-"""Prompt sources sharded across rollout workers: task generators and JSONL files.
+"""Prompt sources sharded across rollout workers: task generators and dataset files.
 
 Either source yields :class:`Problem` objects forever. Shard ``s`` of ``n`` sees a disjoint
 part of the prompt space: generator problem ``i*n + s`` (see
-:func:`streamrl.tasks.registry.problem_stream`), or JSONL lines ``s, s+n, s+2n, ...``,
+:func:`streamrl.tasks.registry.problem_stream`), or dataset rows ``s, s+n, s+2n, ...``,
 reshuffled every epoch with a seed shared by all shards so epochs stay disjoint too.
 
-JSONL format: one object per line with ``"prompt"`` and ``"answer"`` (strings; a number
-answer is turned into its string).
+Files: JSONL, Parquet or a ``datasets`` folder (:mod:`streamrl.tasks.datasets`), with a
+prompt and an answer column (``data.prompt_key`` / ``data.answer_key``; every other column
+reaches the rewards in ``Problem.fields``).
 """
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Iterator
 
+from streamrl.tasks.datasets import load_problems
 from streamrl.tasks.registry import Problem, problem_stream
 
 
 def read_jsonl_problems(path: str | Path) -> list[Problem]:
-    """All problems of a JSONL file; errors name the file and line."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"rollout.prompt_file = {str(path)!r} does not exist")
-    out = []
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}:{lineno}: not JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or "answer" not in obj:
-            raise ValueError(f"{p}:{lineno}: needs a string 'prompt' and an 'answer'")
-        out.append(Problem(prompt=obj["prompt"], answer=str(obj["answer"])))
-    if not out:
-        raise ValueError(f"rollout.prompt_file = {str(path)!r} holds no problems")
-    return out
+    """All problems of a prompt file with ``prompt``/``answer`` columns; errors name the file and line."""
+    return load_problems(path, field="rollout.prompt_file")
 
 
 def jsonl_stream(problems: list[Problem], seed: int, shard: int, num_shards: int) -> Iterator[Problem]:
@@ -54,7 +39,17 @@ def jsonl_stream(problems: list[Problem], seed: int, shard: int, num_shards: int
 
 
 def prompt_source(task, prompt_file: str, seed: int, shard: int, num_shards: int) -> Iterator[Problem]:
-    """The worker's problem stream: the JSONL file when given, else the task generator."""
+    """The worker's problem stream: the prompt file when given, else the task generator."""
     if prompt_file:
         return jsonl_stream(read_jsonl_problems(prompt_file), seed, shard, num_shards)
     return problem_stream(task, seed, shard, num_shards)
+
+
+def build_prompt_source(cfg, task, seed: int, shard: int, num_shards: int) -> Iterator[Problem]:
+    """The problem stream a :class:`~streamrl.config.Config` asks for: ``data.path`` with its
+    field mapping, else ``rollout.prompt_file``, else the task generator."""
+    d = cfg.data
+    if d.path:
+        problems = load_problems(d.path, d.prompt_key, d.answer_key, d.split, field="data.path")
+        return jsonl_stream(problems, seed, shard, num_shards)
+    return prompt_source(task, cfg.rollout.prompt_file, seed, shard, num_shards)

@@ -1,0 +1,157 @@
+"""reasoning-gym as a task family: procedural generators with their own scorers.
+
+``task.name: reasoning_gym`` draws every problem from a weighted mix of reasoning-gym datasets
+(``task.datasets``), and scores a response with that dataset's own ``score_answer`` applied to
+the answer :func:`~streamrl.tasks.answers.extract_answer` pulls out of the response text.
+
+Config (YAML)::
+
+    task:
+      name: reasoning_gym
+      answer_format: final          # final | tag | none: the instruction appended to each question
+      datasets:
+        products: 1.0               # a bare number is the weight
+        basic_arithmetic:           # a mapping: optional weight + the dataset's own options
+          weight: 2.0
+          max_digits: 3
+          operators: ["+", "-", "*"]
+
+Seeds: each dataset is built once with a fixed seed (derived from its name, so two datasets of
+the same kind do not draw the same operands in lock-step) over ``ITEMS`` virtual items. A
+training problem takes an *even* item index drawn from the stream's ``rng``, a held-out problem
+(:meth:`ReasoningGym.sample_held_out`, used by :func:`~streamrl.tasks.registry.eval_problems`)
+an *odd* one: held-out items are never generated for training. (Distinct items can still
+read alike when a dataset's space is small, e.g. one-digit sums.)
+
+The full reasoning-gym entry (question, answer, metadata) travels in ``Problem.fields``, so
+the score does not depend on the task instance that scores it.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import random
+import zlib
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from streamrl.tasks.answers import extract_answer
+from streamrl.tasks.registry import Problem, register_task
+
+# Virtual items per dataset. Some generators precompute a table of this size (gsm_symbolic:
+# ~0.3 s for 2**20), others index a seed; 2**19 items per split is plenty for RL.
+ITEMS = 2**20
+
+ANSWER_FORMATS = {
+    "final": "\nGive only the final answer.",
+    "tag": "\nPut only the final answer inside <answer></answer>.",
+    "none": "",
+}
+
+DEFAULT_DATASETS = {"basic_arithmetic": 1.0, "chain_sum": 1.0, "products": 1.0}
+
+
+def _rg():
+    import reasoning_gym  # noqa: PLC0415 (heavy: sympy; only for runs that use this task)
+
+    return reasoning_gym
+
+
+def parse_datasets(datasets: Mapping[str, Any] | None, field: str = "task.datasets") -> list[tuple[str, float, dict]]:
+    """``{name: weight | {weight, **options}}`` -> ``[(name, weight, options)]``, checked.
+
+    Raises ValueError naming ``field``, the dataset and what is wrong: an unknown dataset (with
+    the known names), a weight that is not a positive number, options the dataset rejects.
+    """
+    datasets = DEFAULT_DATASETS if datasets is None else datasets
+    if not isinstance(datasets, Mapping) or not datasets:
+        raise ValueError(f"{field} = {datasets!r}: expected a non-empty mapping of reasoning-gym dataset -> weight")
+    known = _rg().factory.DATASETS
+    out = []
+    for name, spec in datasets.items():
+        if name not in known or name == "composite":
+            raise ValueError(f"{field}.{name}: not a reasoning-gym dataset; known: {sorted(set(known) - {'composite'})}")
+        options = dict(spec) if isinstance(spec, Mapping) else {"weight": spec}
+        weight = options.pop("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+            raise ValueError(f"{field}.{name}.weight = {weight!r}: must be a number > 0")
+        for reserved in ("seed", "size"):
+            if reserved in options:
+                raise ValueError(f"{field}.{name}.{reserved}: set by StreamRL (held-out items are kept apart), "
+                                 "remove it")
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}  # YAML lists -> tuples
+        try:  # the dataset's own config class checks the options (cheap: no generator is built)
+            cfg = known[name][1](**options)
+            if hasattr(cfg, "validate"):
+                cfg.validate()
+        except (TypeError, AssertionError, ValueError) as e:
+            raise ValueError(f"{field}.{name} = {spec!r}: reasoning-gym refused the options ({e})") from None
+        out.append((name, float(weight), options))
+    return out
+
+
+def _build_dataset(name: str, options: dict):
+    return _rg().create_dataset(name, seed=zlib.crc32(name.encode()), size=ITEMS, **options)
+
+
+@functools.lru_cache(maxsize=None)
+def _scorer(dataset: str):
+    return _rg().get_score_answer_fn(dataset)
+
+
+@register_task("reasoning_gym")
+class ReasoningGym:
+    """A weighted mix of reasoning-gym datasets (see the module doc)."""
+
+    def __init__(self, datasets: Mapping[str, Any] | None = None, answer_format: str = "final",
+                 partial_credit: bool = False, **_: object):
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"task.answer_format = {answer_format!r}: must be one of {sorted(ANSWER_FORMATS)}")
+        self.suffix = ANSWER_FORMATS[answer_format]
+        self.partial_credit = partial_credit
+        specs = parse_datasets(datasets)
+        self.names = [n for n, _, _ in specs]
+        self.weights = [w for _, w, _ in specs]
+        self.sets = {n: _build_dataset(n, opts) for n, _, opts in specs}
+
+    def _problem(self, rng: random.Random, parity: int) -> Problem:
+        name = rng.choices(self.names, weights=self.weights)[0]
+        entry = self.sets[name][2 * rng.randrange(ITEMS // 2) + parity]
+        fields = {"source_dataset": name, "question": entry["question"],
+                  "metadata": MappingProxyType(dict(entry.get("metadata") or {}))}
+        return Problem(prompt=entry["question"].rstrip() + self.suffix, answer=str(entry["answer"]),
+                       fields=MappingProxyType(fields))
+
+    def sample(self, rng: random.Random) -> Problem:
+        """A training problem (an even item of a dataset drawn by weight)."""
+        return self._problem(rng, 0)
+
+    def sample_held_out(self, rng: random.Random) -> Problem:
+        """A held-out problem (an odd item): never produced by :meth:`sample`."""
+        return self._problem(rng, 1)
+
+    def reward(self, problem: Problem, response: str) -> float:
+        """The dataset's own ``score_answer`` of the extracted answer, in [0, 1]; 0 when the
+        response gives no answer or the scorer fails on it. Without ``partial_credit`` a score
+        below 1 counts 0: many scorers pay ``len(answer) / len(given)`` when the answer is a
+        substring of what was given, e.g. 0.8 for ``63700`` when ``6370`` is right."""
+        score = score_reasoning_gym(problem, response)
+        return score if self.partial_credit or score >= 1.0 else 0.0
+
+
+def score_reasoning_gym(problem: Problem, response: str) -> float:
+    """Score ``response`` with the reasoning-gym scorer named in ``problem.fields`` (partial credit kept)."""
+    name = problem.fields.get("source_dataset")
+    if name is None:
+        raise ValueError("reasoning-gym reward: the problem carries no 'source_dataset' field "
+                         "(it did not come from task.name = reasoning_gym)")
+    answer = extract_answer(response, problem.answer)
+    if answer is None:
+        return 0.0
+    entry = {"question": problem.fields.get("question", problem.prompt), "answer": problem.answer,
+             "metadata": dict(problem.fields.get("metadata") or {})}
+    try:
+        score = float(_scorer(name)(answer, entry))
+    except Exception:  # a scorer choking on a malformed answer: the answer is wrong, not the run
+        return 0.0
+    return min(max(score, 0.0), 1.0) if math.isfinite(score) else 0.0

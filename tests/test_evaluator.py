@@ -1,0 +1,78 @@
+"""Evaluation: evaluate() on a real (tiny) model, and the evaluator process in a real run."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from streamrl.config import load_config
+from streamrl.evaluate import evaluate, evaluate_config, eval_set, read_eval_summary
+from streamrl.evaluate import main as eval_main
+from streamrl.models.factory import load_model_and_tokenizer
+from streamrl.rewards import CombinedReward, build_reward
+from streamrl.tasks import build_task
+from streamrl.tasks.registry import Problem
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = load_config("configs/tiny.yaml", ["eval.size=4", "eval.samples=2", "eval.batch_size=4"])
+    model, tok = load_model_and_tokenizer(cfg.model, seed=0)
+    return cfg, model, tok
+
+
+def test_evaluate_reports_greedy_accuracy_and_pass_at_k(tiny):
+    cfg, model, tok = tiny
+    res = evaluate_config(model, tok, cfg)
+    assert res["eval/n"] == 4 and set(res) == {"eval/accuracy", "eval/reward_mean", "eval/n", "eval/pass@2", "eval/mean@2"}
+    assert 0 <= res["eval/accuracy"] <= res["eval/reward_mean"] + 1e-9 <= 1 + 1e-9
+    assert res == evaluate_config(model, tok, cfg)  # greedy and the seeded samples are reproducible
+
+
+def test_correct_means_the_eval_reward_reaches_one(tiny):
+    """A reward that every response satisfies gives accuracy and pass@k 1; one that none does, 0."""
+    cfg, model, tok = tiny
+    problems = [Problem(f"{i}=", "x") for i in range(3)]
+    all_right = CombinedReward(["one"], [1.0], [lambda problem, response: 1.0])
+    none_right = build_reward("exact_answer")  # answer "x": the random model never writes exactly that line
+    kw = dict(chat_template=False, max_new_tokens=4, samples=2)
+    assert evaluate(model, tok, problems, all_right, **kw)["eval/pass@2"] == 1.0
+    res = evaluate(model, tok, problems, none_right, **kw)
+    assert res["eval/accuracy"] == 0.0 and res["eval/pass@2"] == 0.0
+
+
+def test_eval_dataset_takes_the_first_rows_with_the_field_mapping(tmp_path):
+    path = tmp_path / "held.jsonl"
+    path.write_text("\n".join(json.dumps({"q": f"{i}+1", "a": i + 1}) for i in range(10)))
+    cfg = load_config(None, [f"eval.dataset={path}", "eval.size=4", "data.prompt_key=q", "data.answer_key=a"])
+    assert [p.answer for p in eval_set(cfg, build_task(cfg.task))] == ["1", "2", "3", "4"]
+
+
+def test_eval_cli_names_a_missing_eval_dataset(capsys):
+    assert eval_main(["--config", "configs/tiny.yaml", "eval.dataset=/nonexistent.jsonl"]) == 2
+    assert "eval.dataset = '/nonexistent.jsonl' does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_run_with_eval_interval_writes_eval_rows(tmp_path, repo, python):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [python, "-m", "streamrl.launcher.launch", "--config", str(repo / "configs/tiny.yaml"), "--run-dir",
+         str(run_dir), "--learners", "1", "--rollers", "1", "--steps", "30", "eval.interval=5", "eval.size=8"],
+        cwd=repo, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    steps = [r for r in rows if "learner/step" in r]
+    assert len(steps) == 30 and not any("eval/accuracy" in r for r in steps)  # lines never mixed
+    versions = [r["eval/version"] for r in evals]
+    assert len(evals) >= 2 and versions == sorted(set(versions)), versions
+    assert all(r["eval/n"] == 8 and 0 <= r["eval/accuracy"] <= 1 for r in evals)
+    # one evaluation per interval block: no two evaluated versions in the same block of 5
+    assert len({v // 5 for v in versions}) == len(versions)
+    summary = read_eval_summary(run_dir)
+    assert summary["latest"] == evals[-1] and summary["evaluations"] == len(evals)
+    assert summary["best"]["eval/accuracy"] == max(r["eval/accuracy"] for r in evals)
+    assert (run_dir / "logs" / "evaluator.log").exists()
