@@ -305,9 +305,12 @@ class TransportConfig:
     """ZeroMQ high-water mark (messages) on each trajectory socket: bounds queued memory."""
     max_message_bytes: int = 256 * 1024 * 1024
     """Largest accepted trajectory message; larger frames are rejected unread."""
+    retain_bytes: int = 256 * 1024 * 1024
+    """Bytes a worker keeps of sent, not yet durably acknowledged messages (resent after a learner restart); at the bound sends wait."""
 
     def validate(self, p: str) -> None:
         _check(self.hwm >= 1, f"{p}.hwm", self.hwm, "must be >= 1")
+        _check(self.retain_bytes >= 1, f"{p}.retain_bytes", self.retain_bytes, "must be >= 1")
 
 
 @dataclass

@@ -46,8 +46,6 @@ from streamrl.weights.layout import ChecksumError
 HEARTBEAT_S = 1.0
 # In-flight updates: the Redis look-up for a newer version runs at most this often.
 INFLIGHT_POLL_S = 0.05
-# A restarted worker gets a new incarnation; ids carry it so they never repeat.
-INCARNATION_BITS = 28
 
 
 class PromptEncoder:
@@ -155,7 +153,7 @@ class RolloutWorker:
         self.cfg = cfg = config_from_dict(stored)
         if getattr(args, "device", None):
             cfg.rollout.device = args.device
-        self.incarnation = int(self.coord.r.incr(f"streamrl:{args.run_id}:incarnation:{self.wid}"))
+        self.incarnation = self.coord.next_incarnation(self.wid)
         torch.manual_seed(hash((cfg.run.seed, self.wid, self.incarnation)) & 0x7FFFFFFF)
         model, self.tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
         self.engine = build_engine(cfg, model, self.tok)
@@ -181,7 +179,7 @@ class RolloutWorker:
 
     def _next_id(self) -> int:
         self.counter += 1
-        return make_id(self.wid, (self.incarnation << INCARNATION_BITS) | self.counter)
+        return make_id(self.wid, self.counter, self.incarnation)
 
     def sync_weights(self) -> float:
         """Load the newest version if there is one (and check parity); returns seconds spent."""
@@ -254,7 +252,7 @@ class RolloutWorker:
         cfg = self.cfg
         rc = cfg.rollout
         endpoint = self.coord.wait_endpoint("trajectories")
-        sender = TrajectorySender(endpoint, self.wid, hwm=cfg.transport.hwm)
+        sender = TrajectorySender(endpoint, self.wid, hwm=cfg.transport.hwm, retain_bytes=cfg.transport.retain_bytes)
         self.log.info("connected to %s (incarnation %d, engine %s)", endpoint, self.incarnation, rc.engine)
         last_hb = 0.0
         gen_tokens = trajectories = 0
@@ -268,6 +266,7 @@ class RolloutWorker:
                     last_hb = now
                 if not self.coord.try_reserve(rc.prompts_per_batch, cfg.learner.max_staleness,
                                               cfg.learner.groups_per_step):
+                    sender.service()  # acks; resends what a restarted learner lost
                     time.sleep(0.02)
                     wait_s += 0.02
                     continue
@@ -298,11 +297,13 @@ class RolloutWorker:
                     "rollout/admission_wait_s": wait_s,
                     "rollout/tokens_per_s": gen_tokens / max(elapsed, 1e-9),
                     "rollout/inflight_loads": self.inflight_loads,
+                    **sender.stats(),  # transport/produced, retained and resent messages, ...
                 })
         finally:
-            try:  # leaving a live run (signal): give queued trajectories a moment to reach the learner
-                if self.coord.stop_reason() is None and not sender.flush(timeout_s=3.0):
-                    self.log.warning("leaving with %d bytes not yet read by the learner", sender.credit.in_flight())
+            try:  # leaving a live run (signal): give sent trajectories a moment to become durable
+                if self.coord.stop_reason() is None and not sender.flush(timeout_s=3.0, durable=True):
+                    self.log.warning("leaving with %d messages not yet acknowledged by the learner",
+                                     sender.retention.pending())
             except Exception as e:  # Redis or socket already gone: nothing more to deliver
                 self.log.warning("flush on exit skipped: %s", e)
             sender.close()
