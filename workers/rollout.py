@@ -130,6 +130,16 @@ def _no_update():
     return None
 
 
+class _Handoff:
+    """A load target that keeps the verified tensors for an engine that loads them itself
+    (in-flight updates: the engine swaps weights between decode steps)."""
+
+    tensors: list | None = None
+
+    def load_weights(self, tensors) -> None:
+        self.tensors = list(tensors)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="StreamRL rollout worker")
     p.add_argument("--redis-url", required=True)
@@ -183,25 +193,14 @@ class RolloutWorker:
 
     def sync_weights(self) -> float:
         """Load the newest version if there is one (and check parity); returns seconds spent."""
-        v = self.subscriber.newer_version()
-        if v is None:
-            return 0.0
         t0 = time.perf_counter()
         try:
-            tensors = self.subscriber.fetch(v)
+            v = self.subscriber.load(self._with_reference(self.engine), self.wid)
         except ChecksumError as e:
             self.log.warning("%s; will re-fetch", e)
             return time.perf_counter() - t0
-        if tensors is None:  # superseded while we looked; next round finds the newer one
+        if v is None:  # nothing newer, or superseded while we looked (the next round finds it)
             return 0.0
-        if self.reference is not None:
-            tensors = list(tensors)  # two consumers
-            self.reference.load_weights(tensors)
-        self.engine.load_weights(tensors)
-        # the fetched views hold a read lease on the publisher's store file: let go before the
-        # parity probe, so the file can be recycled (streamrl.weights.lease)
-        del tensors
-        self.subscriber.mark_loaded(self.wid, v)
         load_s = time.perf_counter() - t0
         if self.probes is not None:
             self.metrics.write({**self.parity(), "rollout/parity_version": v})
@@ -219,22 +218,19 @@ class RolloutWorker:
         if now - self._last_poll < INFLIGHT_POLL_S:
             return None
         self._last_poll = now
-        v = self.subscriber.newer_version()
-        if v is None:
-            return None
+        handoff = _Handoff()  # the engine loads them itself, between two decode steps
         try:
-            tensors = self.subscriber.fetch(v)
+            v = self.subscriber.load(self._with_reference(handoff), self.wid)
         except ChecksumError as e:
             self.log.warning("%s; will re-fetch", e)
             return None
-        if tensors is None:
+        if v is None:
             return None
-        tensors = list(tensors)  # the engine reads them after we return (and maybe the reference)
-        if self.reference is not None:
-            self.reference.load_weights(tensors)
-        self.subscriber.mark_loaded(self.wid, v)
         self.inflight_loads += 1
-        return v, tensors
+        return v, handoff.tensors
+
+    def _with_reference(self, target) -> list:
+        return [self.reference, target] if self.reference is not None else [target]
 
     def parity(self) -> dict[str, float]:
         """``rollout/mismatch_kl`` etc. between engine and HF reference on the probe set."""
@@ -298,6 +294,7 @@ class RolloutWorker:
                     "rollout/tokens_per_s": gen_tokens / max(elapsed, 1e-9),
                     "rollout/inflight_loads": self.inflight_loads,
                     **sender.stats(),  # transport/produced, retained and resent messages, ...
+                    **self.subscriber.timings,  # weights/transfer_s, verify_s, load_s of the newest load
                 })
         finally:
             try:  # leaving a live run (signal): give sent trajectories a moment to become durable

@@ -85,6 +85,14 @@ class Run:
                 return c
         return None
 
+    def journaled_since_checkpoint(self, incarnation: int) -> int:
+        """Batches learner ``incarnation`` (0 = the first) journaled after its newest checkpoint
+        (0 before the run's first checkpoint): what a crash now must recover from the journal."""
+        journal = self.run_dir / "checkpoints" / "journal"
+        segs = sorted(journal.glob(f"after_*_{incarnation:04d}")) if journal.is_dir() else []
+        segs = [g for g in segs if not g.name.startswith("after_00000000_")]  # a checkpoint exists
+        return len(list(segs[-1].glob("[0-9]*.safetensors"))) if segs else 0
+
     def worker_pid(self, wid: int) -> int | None:
         hb = self.coord.workers().get(wid)
         if hb is None or "pid" not in hb:
