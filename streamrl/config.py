@@ -413,9 +413,12 @@ class TransportConfig:
     """ZeroMQ high-water mark (messages) on each trajectory socket: bounds queued memory."""
     max_message_bytes: int = 256 * 1024 * 1024
     """Largest accepted trajectory message; larger frames are rejected unread."""
+    retain_bytes: int = 256 * 1024 * 1024
+    """Bytes a worker keeps of sent, not yet durably acknowledged messages (resent after a learner restart); at the bound sends wait."""
 
     def validate(self, p: str) -> None:
         _check(self.hwm >= 1, f"{p}.hwm", self.hwm, "must be >= 1")
+        _check(self.retain_bytes >= 1, f"{p}.retain_bytes", self.retain_bytes, "must be >= 1")
 
 
 @dataclass
@@ -467,8 +470,6 @@ class WeightsConfig:
     """Engine naming/layout: hf (transformers names) or vllm (per-expert MoE weights)."""
     zmq_streams: int = 2
     """Parallel ZeroMQ streams (DEALER sockets) per subscriber."""
-    router_ema: float = 0.0
-    """Decay of the published router-weight EMA; 0 publishes the raw router weights."""
     collective_world: int = 0
     """nccl/gloo planes: publisher + subscribers in the fixed broadcast group."""
     verify_threads: int = 1
@@ -482,7 +483,6 @@ class WeightsConfig:
         _check(self.checksum in ("sum64", "crc32"), f"{p}.checksum", self.checksum, "must be sum64 or crc32")
         _check(self.target in ("hf", "vllm"), f"{p}.target", self.target, "must be hf or vllm")
         _check(self.zmq_streams >= 1, f"{p}.zmq_streams", self.zmq_streams, "must be >= 1")
-        _check(0.0 <= self.router_ema < 1.0, f"{p}.router_ema", self.router_ema, "must be in [0, 1)")
         _check(self.data_plane not in ("nccl", "gloo") or self.collective_world >= 2, f"{p}.collective_world",
                self.collective_world, "must be >= 2 for the nccl/gloo planes")
         _check(self.verify_threads >= 1, f"{p}.verify_threads", self.verify_threads, "must be >= 1")

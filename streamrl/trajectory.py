@@ -52,8 +52,9 @@ Naming: keys are flat so the codec and ``torch.distributed`` broadcast stay triv
 ``TORCHRL_KEYS`` maps them to the nested keys of ``torchrl.modules.llm``
 (``("tokens", "response")``, ``("log_probs", "response")``, ...) for code that wants them.
 
-Ids are 63-bit integers: ``(worker_id << 40) | counter`` for trajectories and groups, so
-two workers never collide and a worker restarted with a new incarnation counter neither.
+Ids are 63-bit integers ``(worker_id << 40) | (incarnation << 28) | counter`` for trajectories
+and groups (:func:`make_id`, :func:`split_id`; the one definition of the layout), so two workers
+never collide and a worker restarted with a new incarnation neither.
 """
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ TORCHRL_KEYS: dict[str, tuple[str, str]] = {
     "response_mask": ("masks", "response"),
     "reward": ("next", "reward"),
 }
-ID_SHIFT = 40
+ID_SHIFT = 40  # bits below the worker id
+INCARNATION_BITS = 28  # bits of the per-incarnation counter, below the incarnation
 MAX_EXPERT_ID = torch.iinfo(torch.int16).max
 
 
@@ -106,9 +108,17 @@ class TrajectoryError(ValueError):
         self.reason = reason
 
 
-def make_id(worker_id: int, counter: int) -> int:
-    """A globally unique 63-bit id from a worker id and a per-worker counter."""
-    return (int(worker_id) << ID_SHIFT) | (int(counter) & ((1 << ID_SHIFT) - 1))
+def make_id(worker_id: int, counter: int, incarnation: int = 0) -> int:
+    """A globally unique 63-bit id from a worker id, its incarnation and a per-incarnation counter
+    (``counter < 2**INCARNATION_BITS`` when ``incarnation`` is given)."""
+    low = (int(incarnation) << INCARNATION_BITS) | int(counter)
+    return (int(worker_id) << ID_SHIFT) | (low & ((1 << ID_SHIFT) - 1))
+
+
+def split_id(tid: int) -> tuple[int, int, int]:
+    """``(worker_id, incarnation, counter)`` of an id made by :func:`make_id`."""
+    low = int(tid) & ((1 << ID_SHIFT) - 1)
+    return int(tid) >> ID_SHIFT, low >> INCARNATION_BITS, low & ((1 << INCARNATION_BITS) - 1)
 
 
 def validate_trajectories(td: TensorDict | Mapping[str, torch.Tensor], *, max_version: int | None = None) -> None:

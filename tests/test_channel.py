@@ -1,15 +1,17 @@
-"""Trajectory channel over real ZeroMQ sockets: ragged layouts, seq gaps, dedup, restarts,
-endpoint discovery through a real Redis, and the credit bookkeeping on its own."""
+"""Trajectory channel over real ZeroMQ sockets: ragged layouts, seq gaps, restarts, acks and
+resends across a learner restart, endpoint discovery through a real Redis, and the credit and
+retention bookkeeping on their own."""
 from __future__ import annotations
 
 import time
 
 import pytest
 import torch
+import zmq
 from tensordict import TensorDict
 
 from streamrl.coord.coordinator import Coordinator
-from streamrl.trajectory import concat_trajectories, make_id, pack_trajectories, split_trajectories
+from streamrl.trajectory import make_id, pack_trajectories
 from streamrl.transport.channel import TrajectoryReceiver, TrajectorySender
 from streamrl.transport.credits import CreditLedger, CreditWindow, pack_grant, unpack_grant
 
@@ -70,17 +72,16 @@ def test_every_ragged_layout_roundtrips_intact(pair):
     assert tx.flush(10) and tx.stats()["transport/in_flight_bytes"] == 0
 
 
-def test_duplicates_dropped_gaps_and_restarts_counted(pair):
+def test_gaps_and_restarts_counted(pair):
     rx, tx = pair
     a = batch()
     assert tx.send(a, timeout_s=5)
-    assert tx.send(a, timeout_s=5)  # same trajectory ids again: dropped, not delivered
     tx.seq += 3  # three messages "lost" between here and the learner
     b = batch()
     assert tx.send(b, timeout_s=5)
     got = receive(rx, 2)
     assert [int(t["traj_id"][0]) for t in got] == [int(a["traj_id"][0]), int(b["traj_id"][0])]
-    assert rx.duplicates == 2 and rx.seq_gaps == 3
+    assert rx.seq_gaps == 3
     # a new sender for the same worker id (a restarted worker) is a new session, not a gap
     tx2 = TrajectorySender(rx.endpoint, worker_id=3)
     try:
@@ -91,16 +92,89 @@ def test_duplicates_dropped_gaps_and_restarts_counted(pair):
         tx2.close()
 
 
-def test_partial_duplicate_keeps_the_new_trajectories(pair):
-    rx, tx = pair
-    a = batch(lens=((1, 2), (1, 3)))
-    assert tx.send(a, timeout_s=5) and len(receive(rx, 1)) == 1
-    b = batch(lens=((1, 4),))
-    mixed = concat_trajectories([split_trajectories(a)[0], b])  # one seen id, one new
-    assert tx.send(mixed, timeout_s=5)
-    got = receive(rx, 1)
-    assert len(got) == 1 and got[0]["traj_id"].tolist() == b["traj_id"].tolist()
-    assert torch.equal(got[0]["response_tokens"], b["response_tokens"])
+def wait_until(pred, timeout_s: float = 10.0, poll=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if poll is not None:
+            poll()
+        if pred():
+            return True
+        time.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+def test_sender_retains_until_acked_and_resends_what_a_dead_learner_lost():
+    rx = TrajectoryReceiver("tcp://127.0.0.1:*")
+    port = rx.endpoint.rsplit(":", 1)[1]
+    tx = TrajectorySender(rx.endpoint, worker_id=3, resync_s=0.2)
+    try:
+        first, lost = batch(), [batch(), batch()]
+        assert tx.send(first, timeout_s=5)
+        assert len(receive(rx, 1)) == 1
+        rx.commit()  # durable: the worker may forget it
+        wait_until(lambda: tx.retention.pending() == 0, poll=tx.service)
+        assert tx.stats()["transport/acked_messages"] == 1 and tx.produced == 2
+        # two more messages reach the learner's socket, and the learner dies before reading them
+        for td in lost:
+            assert tx.send(td, timeout_s=5)
+        time.sleep(0.3)  # on localhost they are in the learner's socket within microseconds
+        rx.sock.close(linger=0)  # ... which dies with them unread (the chaos suite's in_flight loss)
+        assert tx.retention.pending() == 2  # nothing acknowledged them
+        # a new learner incarnation on the same port learns nothing by itself; the worker's
+        # HELLO (it holds unacknowledged messages) tells it where the sender's seq is
+        rx = None
+        while rx is None:  # the dead socket's port is released asynchronously
+            try:
+                rx = TrajectoryReceiver(f"tcp://127.0.0.1:{port}")
+            except zmq.ZMQError:
+                time.sleep(0.05)
+        got: list[TensorDict] = []
+
+        def pump():
+            tx.service()
+            got.extend(rx.poll(0.05))
+
+        wait_until(lambda: len(got) == 2, poll=pump)
+        assert [t["traj_id"].tolist() for t in got] == [t["traj_id"].tolist() for t in lost]
+        assert tx.retention.resent == 2 and tx.produced == 6
+        assert rx.produced[(3, tx.session)] == 6  # the count the ledger balances against
+        wait_until(lambda: tx.retention.pending() == 0, poll=pump)  # the next poll acknowledged them
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_retention_bound_blocks_instead_of_dropping():
+    rx = TrajectoryReceiver("tcp://127.0.0.1:*")
+    tx = TrajectorySender(rx.endpoint, worker_id=3, retain_bytes=1)  # room for one message, alone
+    try:
+        assert tx.send(batch(lens=((2, 50),)), timeout_s=5)
+        assert tx.send(batch(lens=((2, 50),)), timeout_s=0.3) is False  # unacknowledged: backpressure
+        assert len(receive(rx, 1)) == 1
+        rx.commit()
+        assert tx.send(batch(lens=((2, 50),)), timeout_s=5)  # the ack made room
+        assert tx.retention.acked == 1 and tx.retention.pending() == 1
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_retention_and_ack_bookkeeping():
+    from streamrl.transport.retention import Retained, Retention, pack_ack, unpack_ack
+
+    assert unpack_ack(pack_ack(7, [3, 5])) == (7, [3, 5]) and unpack_ack(pack_grant(1, 2)) is None
+    assert len(pack_ack(0, [])) != 16  # never mistaken for a grant
+    r = Retention(max_bytes=100)
+    for seq in range(4):
+        r.keep(seq, Retained(None, 30, seq + 1))
+    assert r.bytes == 120 and not r.has_room(1)
+    assert r.on_ack(horizon=3, seqs=[0, 2]) == 1  # seq 1 was read by nobody: lost, resend it
+    assert r.pending() == 2 and r.bytes == 60 and r.lost[0].produced == 2
+    item = r.pop_lost()
+    r.keep(9, item)  # sent again under a new seq
+    assert r.pending() == 2 and r.bytes == 60 and list(r._items) == [3, 9]
+    with pytest.raises(ValueError, match="retention"):
+        Retention(0)
 
 
 @pytest.mark.parametrize("mutate,reason", [

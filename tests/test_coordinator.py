@@ -1,6 +1,7 @@
 """Coordinator control plane over a real Redis: versions, GC, notifications, acks, heartbeats."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -27,18 +28,50 @@ def test_versions_manifests_gc_and_streaming_events(redis_url, run_id):
     assert c.r.exists(c.keys.weights_buckets(0)) == 0  # bucket streams are collected too
 
 
-@pytest.mark.timeout(30)
-def test_wait_version_wakes_on_pubsub_and_by_polling(redis_url, run_id):
-    c = Coordinator(redis_url, run_id)
-    ps = c.subscribe_versions()
-    time.sleep(0.05)
-    c.publish_version(0, {}, keep=3)
+class _Waiting:
+    """A pub/sub handle that tells the test when ``wait_version`` is blocked on it."""
+
+    def __init__(self, pubsub):
+        self.pubsub, self.blocked, self.messages = pubsub, threading.Event(), 0
+        pubsub.get_message(timeout=1.0)  # consume the (ignored) subscribe confirmation: no early wake-up
+
+    def get_message(self, timeout):
+        self.blocked.set()
+        msg = self.pubsub.get_message(timeout=timeout)
+        self.messages += msg is not None
+        return msg
+
+
+def _wait_in_thread(c, after, **kw):
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("v", c.wait_version(after, **kw)), daemon=True)
     t0 = time.monotonic()
-    assert c.wait_version(-1, timeout_s=5, pubsub=ps, poll_s=2.0) == 0
-    assert time.monotonic() - t0 < 1.0
+    t.start()
+    return t, out, t0
+
+
+@pytest.mark.timeout(30)
+def test_wait_version_wakes_on_pubsub(redis_url, run_id):
+    c = Coordinator(redis_url, run_id)
+    ps = _Waiting(c.subscribe_versions())
+    # polling alone would take 10 s: only the notification can wake it sooner
+    t, out, t0 = _wait_in_thread(c, -1, timeout_s=20, pubsub=ps, poll_s=10.0)
+    assert ps.blocked.wait(5)  # the waiter read "no version" and blocks on pub/sub now
+    c.publish_version(0, {}, keep=3)
+    t.join(8)
+    assert out.get("v") == 0 and time.monotonic() - t0 < 8 and ps.messages == 1
     assert c.wait_version(0, timeout_s=0.3, poll_s=0.1) is None
-    c.r.set(c.keys.version, 1)  # a version that was never announced on pub/sub
-    assert c.wait_version(0, timeout_s=5, pubsub=ps, poll_s=0.1) == 1
+
+
+@pytest.mark.timeout(30)
+def test_wait_version_wakes_by_polling_without_a_notification(redis_url, run_id):
+    c = Coordinator(redis_url, run_id)
+    ps = _Waiting(c.subscribe_versions())
+    t, out, _ = _wait_in_thread(c, -1, timeout_s=20, pubsub=ps, poll_s=0.1)
+    assert ps.blocked.wait(5)
+    c.r.set(c.keys.version, 1)  # a version that is never announced on pub/sub
+    t.join(10)
+    assert out.get("v") == 1 and ps.messages == 0  # found by re-reading the key after a poll timeout
 
 
 @pytest.mark.timeout(30)

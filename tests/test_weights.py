@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from streamrl.coord.coordinator import Coordinator
-from streamrl.weights.adapter import RouterEma, adapt_specs, adapt_tensor, unadapt
+from streamrl.weights.adapter import adapt_specs, adapt_tensor, unadapt
 from streamrl.weights.layout import ChecksumError, Layout, checksum_region
 from streamrl.weights.publisher import WeightPublisher
 from streamrl.weights.shm import ShmWeightPublisher, ShmWeightSubscriber
@@ -85,15 +85,6 @@ def test_adapter_vllm_roundtrip_and_names():
         adapt_specs(SPECS, "trt")
 
 
-def test_router_ema():
-    ema = RouterEma(0.5)
-    w = {"model.layers.0.mlp.gate.weight": torch.ones(2, 2), "lm_head.weight": torch.ones(2)}
-    ema.update(w)
-    ema.update({"model.layers.0.mlp.gate.weight": torch.full((2, 2), 3.0)})
-    assert list(ema.overrides()) == ["model.layers.0.mlp.gate.weight"]
-    assert torch.allclose(ema.overrides()["model.layers.0.mlp.gate.weight"], torch.full((2, 2), 2.0))
-
-
 # -- real Redis + sockets --------------------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("plane", ["shm", "zmq"])
@@ -109,21 +100,6 @@ def test_publish_fetch_bit_exact_vllm_names(redis_url, run_id, plane):
         check_equal(sub.fetch(0), tensors, "vllm")
         assert sub.timings["weights/bytes"] == timings["weights/bytes"]
         sub.close()
-    finally:
-        pub.close()
-
-
-@pytest.mark.timeout(60)
-def test_override_replaces_router(redis_url, run_id):
-    coord = Coordinator(redis_url, run_id)
-    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=8192)
-    try:
-        tensors = make_tensors(2)
-        ema = torch.full((4, 32), 0.5)
-        pub.publish(0, SPECS, iter(tensors), overrides={"model.layers.0.mlp.gate.weight": ema})
-        got = dict(WeightSubscriber(coord).fetch(0))
-        assert torch.equal(got["model.layers.0.mlp.gate.weight"], ema)
-        assert torch.equal(got["lm_head.weight"], tensors[5])
     finally:
         pub.close()
 
@@ -311,14 +287,12 @@ def test_nccl_collective_plane(redis_url, run_id):
 @pytest.mark.timeout(60)
 def test_factory_from_config(redis_url, run_id):
     from streamrl.config import load_config
-    from streamrl.weights.factory import make_publisher, make_router_ema, make_subscriber
+    from streamrl.weights.factory import make_publisher, make_subscriber
 
-    cfg = load_config(None, ["weights.data_plane=zmq", "weights.target=vllm", "weights.bucket_mb=1",
-                             "weights.router_ema=0.9"])
+    cfg = load_config(None, ["weights.data_plane=zmq", "weights.target=vllm", "weights.bucket_mb=1"])
     coord = Coordinator(redis_url, run_id)
     pub = make_publisher(coord, run_id, cfg)
     try:
-        assert make_router_ema(cfg).decay == 0.9
         pub.publish(0, SPECS, iter(make_tensors(40)))
         sub = make_subscriber(coord, cfg, worker_id=0)
         assert sub.plane == "zmq"

@@ -1,22 +1,23 @@
 """Learner process entry point (one per rank, started by torchrun / the elastic launcher).
 
-Rank 0 owns the trajectory socket, the staleness buffer and the weights publisher; every
-rank trains its slice of each batch under FSDP2. The loop per step:
+Rank 0 owns the intake (trajectory socket, dedup, journal, staleness buffer, ledger, control
+plane: :mod:`streamrl.learner.intake`) and the weights publisher; every rank trains its slice
+of each batch under FSDP2. The loop per step:
 
-    rank 0: receive until G complete, fresh groups are buffered (idle time = waiting here)
+    rank 0: intake.next_batch(version): G complete, fresh groups (idle time = waiting here)
     all:    broadcast stop-flag + batch → train step → gather full weights → publish version
-    rank 0: metrics.jsonl + Redis metrics; at the end summary.json and the stop signal
+    rank 0: metrics.jsonl + Redis metrics; checkpoints; at the end summary.json and the stop signal
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import signal
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -24,24 +25,16 @@ import torch.distributed as dist
 
 from streamrl.config import config_from_dict, load_config
 from streamrl.coord.coordinator import Coordinator
-from streamrl.learner.accounting import Ledger, split_id
-from streamrl.learner.buffer import StalenessBuffer
-from streamrl.learner.checkpoint import (checkpoint_dir, latest_checkpoint, load_checkpoint, load_extra,
-                                         save_checkpoint)
-from streamrl.learner.control import ControlPlane
-from streamrl.learner.journal import Journal
+from streamrl.learner.checkpoint import checkpoint_dir
+from streamrl.learner.checkpointer import Checkpointer, RunProgress
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
+from streamrl.learner.intake import Intake
 from streamrl.learner.trainer import Trainer
 from streamrl.metrics import JsonlSink, MultiSink, RateLimitedRedisSink, tensorboard_sink
 from streamrl.transport.channel import TrajectoryReceiver
 from streamrl.transport.codec import Limits
-from streamrl.trajectory import concat_trajectories, split_trajectories
 from streamrl.utils import die_with_parent_if_launched, limit_threads, seed_everything, setup_logging
 from streamrl.weights.factory import make_publisher
-
-# If no complete batch arrives for this long, assume reservations of dead workers leaked
-# and give the shortfall back so live workers can fill it (the buffer still enforces staleness).
-REFUND_AFTER_S = 5.0
 
 
 def parse_args(argv=None):
@@ -60,6 +53,55 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    rank, log, coord, cfg = _setup(args)
+    if cfg is None:
+        return 2
+    trainer = Trainer(cfg)
+    intake = publisher = report = None
+    if rank == 0:
+        intake, publisher = _bind(args, cfg, coord, log)
+        report = Reporter(cfg, coord, intake, publisher)
+    run = RunProgress()
+    ckpt = Checkpointer(cfg, trainer, {"run": run, "intake": intake})
+    resumed_step = _resume(args, ckpt, run, intake, coord, log) if args.resume else None
+    if rank == 0:
+        intake.open(run.step, replay=args.resume is not None)
+    publish(trainer, publisher, run.version)
+    if rank == 0:
+        intake.start(run.version)
+    status = "completed"
+    try:
+        while run.step < cfg.run.steps:
+            t_wait = time.perf_counter()
+            batch = intake.next_batch(run.version) if rank == 0 else None
+            idle = time.perf_counter() - t_wait
+            if broadcast_flag(int(rank == 0 and batch is None)):
+                status = "stopped: " + (coord.stop_reason() or "starved")
+                break
+            batch = broadcast_batch(batch)
+            t_step = time.perf_counter()
+            metrics = trainer.step(batch)
+            run.version += 1
+            run.step += 1
+            if run.step % cfg.learner.publish_interval == 0 or run.step == cfg.run.steps:
+                metrics.update(publish(trainer, publisher, run.version))
+            if rank == 0:
+                report.step(run, batch, metrics, idle, time.perf_counter() - t_step)
+            ckpt.maybe_save(run.step)  # after the bookkeeping above, so the saved counters include this step
+        ckpt.save_on_stop(run.step)  # clean stop (steps done or stop requested): every rank is here
+    except Exception:
+        status = "failed"
+        raise
+    finally:
+        if rank == 0:
+            report.finish(run, status, resumed_step)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0 if status == "completed" else 1
+
+
+def _setup(args):
+    """Process-level setup: parent watch, threads, process group, logging, Redis, config, seed."""
     # a torchrun rank is in a session of its own: go when the agent goes. SIGKILL, not SIGTERM:
     # the launcher restarts the job from the checkpoint + journal, and a rank still writing a
     # checkpoint then would race the new learner reading it
@@ -77,271 +119,108 @@ def main(argv=None) -> int:
         stored = coord.get_config()
         if stored is None:
             log.error("no config in Redis for run %s and no --config given", args.run_id)
-            return 2
+            return rank, log, coord, None
         cfg = config_from_dict(stored)
     if cfg.learner.device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     seed_everything(cfg.run.seed)
-    run_dir = Path(cfg.run.run_dir)
-    trainer = Trainer(cfg)
-    lc = cfg.learner
-
-    receiver = publisher = sink = redis_sink = control = journal = None
-    ledger = Ledger(cfg.rollout.group_size)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        limits = Limits(max_message_bytes=cfg.transport.max_message_bytes)
-        advertise = args.advertise_host or (socket.gethostname() if args.bind_host == "0.0.0.0" else args.bind_host)
-        receiver = _bind_receiver(args, cfg, limits, coord if args.resume else None, log)
-        port = receiver.endpoint.rsplit(":", 1)[1]
-        endpoint = f"tcp://{advertise}:{port}"
-        coord.set_endpoint("trajectories", endpoint)
-        # Data plane from cfg.weights (auto: shm for this host's workers, ZeroMQ for other hosts).
-        publisher = make_publisher(coord, args.run_id, cfg, bind_host=args.bind_host, advertise_host=advertise)
-        sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), tensorboard_sink(run_dir / "tb"))
-        redis_sink = RateLimitedRedisSink(coord, "learner")
-        control = ControlPlane(coord, cfg.to_dict(), endpoint, ledger, cfg.rollout.prompts_per_batch)
-        log.info("trajectory endpoint %s; %d ranks", endpoint, trainer.world)
-
-    def publish(version: int) -> dict[str, float]:
-        tensors = trainer.full_tensors()
-        if rank == 0:
-            return publisher.publish(version, trainer.param_specs, tensors)
-        for _ in tensors:  # join the gathers; only rank 0 keeps the tensors
-            pass
-        return {}
-
-    version = 0
-    buffer = StalenessBuffer(cfg.rollout.group_size, lc.max_staleness)
-    t_start = time.time()
-    rewards: list[float] = []
-    samples = 0
-    idle_total = 0.0
-    step = 0
-    status = "completed"
-    ck_root = checkpoint_dir(cfg)
-    base = {"duplicates": 0, "rejected": {}}  # receiver counters of earlier incarnations
-    if args.resume:
-        path = latest_checkpoint(ck_root) if args.resume == "latest" else Path(args.resume)
-        if path is None:  # crashed before the first checkpoint: start over, replay the journal
-            log.warning("--resume: no complete checkpoint under %s; starting at step 0 (journal replayed)", ck_root)
-        else:
-            state, items, seen = load_checkpoint(path, trainer)
-            step, version = int(state["step"]), int(state.get("version", state["step"]))
-            samples, rewards = int(state.get("samples", 0)), list(state.get("rewards", []))
-            if rank == 0:
-                buffer.load_state(items, state.get("buffer", {}))
-                receiver.mark_seen(seen)
-                ids = load_extra(path).get("trained_ids")
-                ledger.load_state_dict(state.get("ledger", {}), ids.tolist() if ids is not None else [])
-                base = {"duplicates": ledger.duplicates_dropped, "rejected": dict(ledger.rejected)}
-            log.info("resumed from %s at step %d, version %d", path, step, version)
-        # Versions never go back: continue above anything the lost incarnation published.
-        newest_old = coord.pending_version() if rank == 0 else -1
-        newest_old = broadcast_flag(newest_old)
-        if newest_old >= version:
-            if rank == 0:
-                buffer.rebase(newest_old, version, newest_old + 1)
-            log.info("versions up to v%d were published before the restart; continuing at v%d", newest_old,
-                     newest_old + 1)
-            version = newest_old + 1
-    resumed_step = step
-    if rank == 0:
-        journal = Journal(ck_root, resumed_step)
-        if args.resume:
-            _replay(journal, resumed_step, receiver, buffer, ledger, control, log)
-
-    def report_counters() -> None:
-        """Fold the live receiver's counters into the ledger (totals across incarnations)."""
-        ledger.duplicates_dropped = base["duplicates"] + receiver.duplicates
-        ledger.rejected = Counter(base["rejected"]) + Counter(receiver.rejected) + ledger.gated
-
-    def checkpoint() -> None:
-        items, bmeta = buffer.export_state() if rank == 0 else (None, {})
-        # The receiver's dedup window (private in the channel; read-only here).
-        seen = list(getattr(receiver, "_seen", {}).keys()) if rank == 0 else []
-        extra = None
-        if rank == 0:
-            report_counters()
-            extra = {"trained_ids": ledger.trained_ids_tensor()}
-        save_checkpoint(ck_root, step, trainer, {"version": version, "samples": samples, "rewards": rewards,
-                                                 "buffer": bmeta, "ledger": ledger.state_dict() if rank == 0 else {}},
-                        items, seen, cfg.checkpoint.keep_last, extra_tensors=extra)
-        if rank == 0:
-            journal.rotate(step)
-
-    publish(version)
-    if rank == 0:
-        control.assert_state(version, _accounted_groups(version, buffer, cfg))
-    try:
-        while step < cfg.run.steps:
-            t_wait = time.perf_counter()
-            batch = None
-            stop = 0
-            if rank == 0:
-                batch, stop = _collect(receiver, buffer, coord, lc, version, args.starve_timeout, log,
-                                       ledger, control, journal, cfg)
-            idle = time.perf_counter() - t_wait
-            if broadcast_flag(stop):
-                status = "stopped: " + (coord.stop_reason() or "starved")
-                break
-            batch = broadcast_batch(batch)
-            if rank == 0:
-                ledger.on_train(batch)
-            t_step = time.perf_counter()
-            metrics = trainer.step(batch)
-            version += 1
-            step += 1
-            if step % lc.publish_interval == 0 or step == cfg.run.steps:
-                metrics.update(publish(version))
-            if rank == 0:
-                control.tick(version, _accounted_groups(version, buffer, cfg))
-            step_s = time.perf_counter() - t_step
-            if rank == 0:
-                idle_total += idle
-                samples += int(metrics["learner/trajectories"])
-                rewards.append(metrics["learner/reward_mean"])
-                lags = batch_lags(batch, version - 1)
-                metrics.update({
-                    "learner/step": step,
-                    "learner/version": version,
-                    "learner/samples": samples,
-                    "learner/step_s": step_s,
-                    "learner/idle_s": idle,
-                    "learner/idle_frac": idle / max(idle + step_s, 1e-9),
-                    "learner/staleness_mean": lags,
-                    "learner/samples_dropped_stale": buffer.dropped_stale,
-                    "learner/buffer_trajectories": buffer.pending_trajectories(),
-                    # cumulative trained trajectories per version lag (streamrl-monitor's histogram)
-                    **{f"learner/staleness_hist/{lag}": float(n) for lag, n in buffer.lag_histogram.items()},
-                    "learner/accepted": ledger.accepted,
-                    "learner/trained_total": ledger.trained,
-                    "learner/duplicated": ledger.duplicated,
-                    "learner/workers_alive": len(control.alive()),
-                    "learner/redis_reasserts": control.reasserts,
-                    "time": time.time(),
-                    "wall_s": time.time() - t_start,
-                    **receiver.stats(),
-                    # served bytes, versions kept for readers holding a lease (streamrl-monitor)
-                    **(publisher.stats() if publisher is not None else {}),
-                })
-                sink.write(metrics)
-                redis_sink.write(metrics)
-                if step % 10 == 0 or step == cfg.run.steps:
-                    log.info("step %d v%d reward %.3f samples %d idle %.0f%%", step, version,
-                             metrics["learner/reward_mean"], samples, 100 * metrics["learner/idle_frac"])
-            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-                checkpoint()  # after the bookkeeping above, so the saved counters include this step
-        if cfg.checkpoint.save_on_stop and step > 0 and not (
-                cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0):
-            checkpoint()  # clean stop (steps done or stop requested): every rank is here
-    except Exception:
-        status = "failed"
-        raise
-    finally:
-        if rank == 0:
-            wall = time.time() - t_start
-            report_counters()
-            summary = _summary(step, samples, wall, rewards, version, buffer, idle_total, receiver, status)
-            summary["accounting"] = ledger.summary(buffer.pending_trajectories(), buffer.dropped_stale,
-                                                   buffer.dropped_overflow)
-            summary["resumed_from_step"] = resumed_step if args.resume else None
-            summary["final_version"] = version
-            summary["redis_reasserts"] = control.reasserts
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            if status != "failed":
-                # A crashed learner does not end the run: the launcher decides (restart with
-                # --resume, or stop everything), so workers must not see a stop key now.
-                coord.request_stop(status)
-            redis_sink.close()
-            sink.close()
-            receiver.close()
-            publisher.close()
-            log.info("summary: %s", json.dumps(summary))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0 if status == "completed" else 1
+    return rank, log, coord, cfg
 
 
-def _collect(receiver, buffer, coord, lc, version, starve_timeout, log, ledger, control, journal, cfg):
-    """Receive until ``groups_per_step`` complete, fresh groups are ready. Returns (batch, stop)."""
-    receiver.max_version = version
-    t0 = last_refund = time.monotonic()
-    while True:
-        control.tick(version, _accounted_groups(version, buffer, cfg))
-        dropped = buffer.drop_stale(version)
-        if dropped:
-            coord.refund(dropped)
-        batch = buffer.take(lc.groups_per_step, version)
-        if batch is not None:
-            return batch, 0
-        if coord.stop_reason() is not None:
-            return None, 1
-        now = time.monotonic()
-        if now - t0 > starve_timeout:
-            log.error("no complete batch for %.0f s; stopping", starve_timeout)
-            coord.request_stop("starved")
-            return None, 1
-        if now - last_refund > REFUND_AFTER_S:
-            short = lc.groups_per_step - buffer.complete_groups()
-            log.warning("waited %.0f s for data; refunding %d group reservations", now - t0, short)
-            coord.refund(short)
-            last_refund = now
-        for td in receiver.poll(0.2):
-            _admit(td, buffer, ledger, control, journal, log)
+def _bind(args, cfg, coord, log):
+    """Rank 0: the trajectory socket (advertised in Redis), the intake over it, the weights publisher."""
+    Path(cfg.run.run_dir).mkdir(parents=True, exist_ok=True)
+    advertise = args.advertise_host or (socket.gethostname() if args.bind_host == "0.0.0.0" else args.bind_host)
+    receiver = _bind_receiver(args, cfg, Limits(max_message_bytes=cfg.transport.max_message_bytes),
+                              coord if args.resume else None, log)
+    endpoint = f"tcp://{advertise}:{receiver.endpoint.rsplit(':', 1)[1]}"
+    coord.set_endpoint("trajectories", endpoint)
+    intake = Intake(cfg, coord, receiver, checkpoint_dir(cfg), endpoint, args.starve_timeout)
+    # Data plane from cfg.weights (auto: shm for this host's workers, ZeroMQ for other hosts).
+    publisher = make_publisher(coord, args.run_id, cfg, bind_host=args.bind_host, advertise_host=advertise)
+    log.info("trajectory endpoint %s", endpoint)
+    return intake, publisher
 
 
-def _admit(td, buffer, ledger, control, journal, log, replay: bool = False) -> bool:
-    """Learner-level gates after the transport's: a registered worker; then journal, count, buffer."""
-    for w in torch.unique(td["worker_id"]).tolist():
-        if not control.is_known(int(w)):
-            ledger.gated["unknown_worker"] += 1
-            log.warning("rejected %d trajectories from unregistered worker %d", td["traj_id"].numel(), w)
-            return False
-    if not replay:
-        journal.append(td)  # before anything can lose it
-    for gid in torch.unique(td["group_id"]).tolist():
-        w, inc, _ = split_id(int(gid))
-        control.note_incarnation(w, inc)
-    ledger.on_accept(td)
-    buffer.add(td)
-    return True
+def _resume(args, ckpt, run, intake, coord, log) -> int:
+    """Restore the checkpoint (if any) and move the version past what the lost incarnation
+    published (versions never go back). Collective. Returns the step resumed from."""
+    path = ckpt.find(args.resume)
+    if path is None:  # crashed before the first checkpoint: start over, replay the journal
+        log.warning("--resume: no complete checkpoint under %s; starting at step 0 (journal replayed)", ckpt.root)
+    else:
+        ckpt.restore(path)
+        log.info("resumed from %s at step %d, version %d", path, run.step, run.version)
+    newest_old = broadcast_flag(coord.pending_version() if intake is not None else -1)
+    if newest_old >= run.version:
+        if intake is not None:
+            intake.rebase(newest_old, run.version, newest_old + 1)
+        log.info("versions up to v%d were published before the restart; continuing at v%d", newest_old,
+                 newest_old + 1)
+        run.version = newest_old + 1
+    return run.step
 
 
-def _replay(journal, after_step, receiver, buffer, ledger, control, log) -> None:
-    """Re-admit what the lost incarnation accepted after the checkpoint (dedup by trajectory id)."""
-    n = 0
-    seen = getattr(receiver, "_seen", {})  # the receiver's dedup window (mark_seen below extends it)
-    for td in journal.replay(after_step):
-        ids = td["traj_id"].tolist()
-        keep = [i for i, t in enumerate(ids) if t not in seen]
-        if not keep:
-            continue
-        if len(keep) < len(ids):
-            parts = split_trajectories(td)
-            td = concat_trajectories([parts[i] for i in keep])
-        receiver.mark_seen([ids[i] for i in keep])
-        for w in torch.unique(td["worker_id"]).tolist():
-            ledger.known_workers.add(int(w))
-        if _admit(td, buffer, ledger, control, journal, log, replay=True):
-            ledger.replayed += len(keep)
-            journal.append(td)  # the new segment holds it too, until the next checkpoint
-            n += len(keep)
-    if journal.unreadable:
-        ledger.lost["journal_unreadable_entries"] += journal.unreadable
-    log.info("journal: replayed %d trajectories accepted after step %d", n, after_step)
+def publish(trainer, publisher, version: int) -> dict[str, float]:
+    """Gather full weights (collective) and, on rank 0, publish them as ``version``."""
+    tensors = trainer.full_tensors()
+    if publisher is not None:
+        return publisher.publish(version, trainer.param_specs, tensors)
+    for _ in tensors:  # join the gathers; only rank 0 keeps the tensors
+        pass
+    return {}
 
 
-def _accounted_groups(version, buffer, cfg) -> int:
-    """What admission control's ``reserved - refunded`` should be with nothing in flight: one
-    step's groups per version (skipped versions after a resume included, so a jump does not
-    hand out extra capacity) plus the groups waiting in the buffer."""
-    return version * cfg.learner.groups_per_step + buffer.pending_groups()
+class Reporter:
+    """Rank 0's metrics (metrics.jsonl, TensorBoard, Redis), log lines and summary.json."""
+
+    def __init__(self, cfg, coord, intake: Intake, publisher):
+        self.cfg, self.coord, self.intake, self.publisher = cfg, coord, intake, publisher
+        self.run_dir = Path(cfg.run.run_dir)
+        self.sink = MultiSink(JsonlSink(self.run_dir / "metrics.jsonl"), tensorboard_sink(self.run_dir / "tb"))
+        self.redis_sink = RateLimitedRedisSink(coord, "learner")
+        self.t_start = time.time()
+        self.idle_total = 0.0
+
+    def step(self, run: RunProgress, batch, metrics: dict, idle: float, step_s: float) -> None:
+        self.idle_total += idle
+        run.samples += int(metrics["learner/trajectories"])
+        run.rewards.append(metrics["learner/reward_mean"])
+        metrics.update({
+            "learner/step": run.step, "learner/version": run.version, "learner/samples": run.samples,
+            "learner/step_s": step_s, "learner/idle_s": idle, "learner/idle_frac": idle / max(idle + step_s, 1e-9),
+            "learner/staleness_mean": batch_lags(batch, run.version - 1),
+            "time": time.time(), "wall_s": time.time() - self.t_start,
+            **self.intake.metrics(),
+            # served bytes, versions kept for readers holding a lease (streamrl-monitor)
+            **self.publisher.stats(),
+        })
+        self.sink.write(metrics)
+        self.redis_sink.write(metrics)
+        if run.step % 10 == 0 or run.step == self.cfg.run.steps:
+            logging.getLogger("learner").info(
+                "step %d v%d reward %.3f samples %d idle %.0f%%", run.step, run.version,
+                metrics["learner/reward_mean"], run.samples, 100 * metrics["learner/idle_frac"])
+
+    def finish(self, run: RunProgress, status: str, resumed_step: int | None) -> None:
+        wall = time.time() - self.t_start
+        summary = _summary(run, wall, self.intake, self.idle_total, status)
+        summary["resumed_from_step"] = resumed_step
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if status != "failed":
+            # A crashed learner does not end the run: the launcher decides (restart with
+            # --resume, or stop everything), so workers must not see a stop key now.
+            self.coord.request_stop(status)
+        self.redis_sink.close()
+        self.sink.close()
+        self.intake.close()
+        self.publisher.close()
+        logging.getLogger("learner").info("summary: %s", json.dumps(summary))
 
 
 def _bind_receiver(args, cfg, limits, coord, log):
     """Bind the trajectory socket; on a resume, on the previous port if free, so workers that kept
-    running reconnect by themselves and deliver what they queued during the outage."""
+    running reconnect by themselves and resend what the lost incarnation never made durable."""
     if coord is not None:
         old = coord.get_endpoint("trajectories")
         if old:
@@ -359,21 +238,25 @@ def batch_lags(batch, version: int) -> float:
     return float((version - v).mean()) if v.numel() else 0.0
 
 
-def _summary(step, samples, wall, rewards, version, buffer, idle_total, receiver, status) -> dict:
-    k = max(1, len(rewards) // 10)
+def _summary(run: RunProgress, wall: float, intake: Intake, idle_total: float, status: str) -> dict:
+    k = max(1, len(run.rewards) // 10)
+    buffer = intake.buffer
     return {
         "status": status,
-        "steps": step,
-        "samples": samples,
+        "steps": run.step,
+        "samples": run.samples,
         "wall_s": wall,
-        "samples_per_s": samples / wall if wall > 0 else 0.0,
-        "reward_first": sum(rewards[:k]) / k if rewards else None,
-        "reward_last": sum(rewards[-k:]) / k if rewards else None,
-        "versions_published": version + 1,
+        "samples_per_s": run.samples / wall if wall > 0 else 0.0,
+        "reward_first": sum(run.rewards[:k]) / k if run.rewards else None,
+        "reward_last": sum(run.rewards[-k:]) / k if run.rewards else None,
+        "versions_published": run.version + 1,
+        "final_version": run.version,
         "samples_dropped_stale": buffer.dropped_stale,
         "learner_idle_s": idle_total,
         "staleness_histogram": {str(k): v for k, v in sorted(buffer.lag_histogram.items())},
-        "transport": receiver.stats(),
+        "transport": intake.source.stats(),
+        "accounting": intake.accounting(),
+        "redis_reasserts": intake.control.reasserts,
     }
 
 

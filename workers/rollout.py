@@ -46,8 +46,6 @@ from streamrl.weights.layout import ChecksumError
 HEARTBEAT_S = 1.0
 # In-flight updates: the Redis look-up for a newer version runs at most this often.
 INFLIGHT_POLL_S = 0.05
-# A restarted worker gets a new incarnation; ids carry it so they never repeat.
-INCARNATION_BITS = 28
 
 
 class PromptEncoder:
@@ -132,6 +130,16 @@ def _no_update():
     return None
 
 
+class _Handoff:
+    """A load target that keeps the verified tensors for an engine that loads them itself
+    (in-flight updates: the engine swaps weights between decode steps)."""
+
+    tensors: list | None = None
+
+    def load_weights(self, tensors) -> None:
+        self.tensors = list(tensors)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="StreamRL rollout worker")
     p.add_argument("--redis-url", required=True)
@@ -155,7 +163,7 @@ class RolloutWorker:
         self.cfg = cfg = config_from_dict(stored)
         if getattr(args, "device", None):
             cfg.rollout.device = args.device
-        self.incarnation = int(self.coord.r.incr(f"streamrl:{args.run_id}:incarnation:{self.wid}"))
+        self.incarnation = self.coord.next_incarnation(self.wid)
         torch.manual_seed(hash((cfg.run.seed, self.wid, self.incarnation)) & 0x7FFFFFFF)
         model, self.tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
         self.engine = build_engine(cfg, model, self.tok)
@@ -181,29 +189,18 @@ class RolloutWorker:
 
     def _next_id(self) -> int:
         self.counter += 1
-        return make_id(self.wid, (self.incarnation << INCARNATION_BITS) | self.counter)
+        return make_id(self.wid, self.counter, self.incarnation)
 
     def sync_weights(self) -> float:
         """Load the newest version if there is one (and check parity); returns seconds spent."""
-        v = self.subscriber.newer_version()
-        if v is None:
-            return 0.0
         t0 = time.perf_counter()
         try:
-            tensors = self.subscriber.fetch(v)
+            v = self.subscriber.load(self._with_reference(self.engine), self.wid)
         except ChecksumError as e:
             self.log.warning("%s; will re-fetch", e)
             return time.perf_counter() - t0
-        if tensors is None:  # superseded while we looked; next round finds the newer one
+        if v is None:  # nothing newer, or superseded while we looked (the next round finds it)
             return 0.0
-        if self.reference is not None:
-            tensors = list(tensors)  # two consumers
-            self.reference.load_weights(tensors)
-        self.engine.load_weights(tensors)
-        # the fetched views hold a read lease on the publisher's store file: let go before the
-        # parity probe, so the file can be recycled (streamrl.weights.lease)
-        del tensors
-        self.subscriber.mark_loaded(self.wid, v)
         load_s = time.perf_counter() - t0
         if self.probes is not None:
             self.metrics.write({**self.parity(), "rollout/parity_version": v})
@@ -221,22 +218,19 @@ class RolloutWorker:
         if now - self._last_poll < INFLIGHT_POLL_S:
             return None
         self._last_poll = now
-        v = self.subscriber.newer_version()
-        if v is None:
-            return None
+        handoff = _Handoff()  # the engine loads them itself, between two decode steps
         try:
-            tensors = self.subscriber.fetch(v)
+            v = self.subscriber.load(self._with_reference(handoff), self.wid)
         except ChecksumError as e:
             self.log.warning("%s; will re-fetch", e)
             return None
-        if tensors is None:
+        if v is None:
             return None
-        tensors = list(tensors)  # the engine reads them after we return (and maybe the reference)
-        if self.reference is not None:
-            self.reference.load_weights(tensors)
-        self.subscriber.mark_loaded(self.wid, v)
         self.inflight_loads += 1
-        return v, tensors
+        return v, handoff.tensors
+
+    def _with_reference(self, target) -> list:
+        return [self.reference, target] if self.reference is not None else [target]
 
     def parity(self) -> dict[str, float]:
         """``rollout/mismatch_kl`` etc. between engine and HF reference on the probe set."""
@@ -254,7 +248,7 @@ class RolloutWorker:
         cfg = self.cfg
         rc = cfg.rollout
         endpoint = self.coord.wait_endpoint("trajectories")
-        sender = TrajectorySender(endpoint, self.wid, hwm=cfg.transport.hwm)
+        sender = TrajectorySender(endpoint, self.wid, hwm=cfg.transport.hwm, retain_bytes=cfg.transport.retain_bytes)
         self.log.info("connected to %s (incarnation %d, engine %s)", endpoint, self.incarnation, rc.engine)
         last_hb = 0.0
         gen_tokens = trajectories = 0
@@ -268,6 +262,7 @@ class RolloutWorker:
                     last_hb = now
                 if not self.coord.try_reserve(rc.prompts_per_batch, cfg.learner.max_staleness,
                                               cfg.learner.groups_per_step):
+                    sender.service()  # acks; resends what a restarted learner lost
                     time.sleep(0.02)
                     wait_s += 0.02
                     continue
@@ -298,11 +293,14 @@ class RolloutWorker:
                     "rollout/admission_wait_s": wait_s,
                     "rollout/tokens_per_s": gen_tokens / max(elapsed, 1e-9),
                     "rollout/inflight_loads": self.inflight_loads,
+                    **sender.stats(),  # transport/produced, retained and resent messages, ...
+                    **self.subscriber.timings,  # weights/transfer_s, verify_s, load_s of the newest load
                 })
         finally:
-            try:  # leaving a live run (signal): give queued trajectories a moment to reach the learner
-                if self.coord.stop_reason() is None and not sender.flush(timeout_s=3.0):
-                    self.log.warning("leaving with %d bytes not yet read by the learner", sender.credit.in_flight())
+            try:  # leaving a live run (signal): give sent trajectories a moment to become durable
+                if self.coord.stop_reason() is None and not sender.flush(timeout_s=3.0, durable=True):
+                    self.log.warning("leaving with %d messages not yet acknowledged by the learner",
+                                     sender.retention.pending())
             except Exception as e:  # Redis or socket already gone: nothing more to deliver
                 self.log.warning("flush on exit skipped: %s", e)
             sender.close()

@@ -291,6 +291,10 @@ class Coordinator:
         raise TimeoutError(f"endpoint {name!r} not published in Redis within {timeout_s:.0f} s")
 
     # -- workers -----------------------------------------------------------------------------
+    def next_incarnation(self, worker_id: int) -> int:
+        """A new incarnation number for a starting worker (its trajectory ids carry it)."""
+        return int(self.r.incr(self.keys.incarnation(worker_id)))
+
     def heartbeat(self, worker_id: int, status: dict[str, Any], ttl_s: float = 10.0) -> None:
         pipe = self.r.pipeline()
         pipe.sadd(self.keys.workers, worker_id)

@@ -37,6 +37,9 @@ class Keys:
     def endpoint(self, name: str) -> str:  # data-plane endpoint string
         return self._k("endpoint", name)
 
+    def incarnation(self, worker_id: int) -> str:  # int: INCR'd by each start of a worker (ids carry it)
+        return self._k("incarnation", worker_id)
+
     @property
     def workers(self) -> str:  # set of worker ids ever registered
         return self._k("workers")

@@ -1,21 +1,24 @@
-"""Trajectory accounting: every trajectory that reaches the learner is trained, pending, or lost for a reason.
+"""Trajectory accounting: every trajectory a worker produced is trained, pending, lost for a reason, or rejected.
 
 The ledger is rank 0's book of the run, saved in every checkpoint and restored on resume, so
 its totals cover the whole run across learner restarts (steps rolled back by a crash are not
 counted: their trajectories are replayed from the journal and counted when trained again).
 
-Invariant checked at the end of a run (``balanced``)::
+Invariants checked at the end of a run (``balanced``)::
 
-    accepted == trained + pending + sum(lost)          (lost: stale, group_overflow, ...)
+    accepted == trained + pending + sum(lost)                  (lost: stale, group_overflow, ...)
+    produced == trained + pending + sum(lost) + rejected       (``lost["in_flight"]`` = the gap)
 
 plus the promise ``duplicated == 0``: no trajectory id trained twice in the surviving lineage.
 
-What cannot be seen from here is a trajectory a worker made but never delivered. Ids help:
-a worker numbers its group and trajectory ids consecutively per incarnation (``make_id`` with
-``(incarnation << 28) | counter``; a group takes ``group_size + 1`` counters), so a hole between
-two received groups of one incarnation is a group lost in flight (``lost["in_flight_gap"]``).
-A tail that never arrived (the batch a SIGKILLed worker was generating) is invisible by
-construction; admission control refunds its reservation instead.
+``produced`` comes from the workers: every message carries its sender's cumulative count of
+trajectories handed to the transport (:class:`streamrl.transport.channel.TrajectorySender`),
+and the ledger keeps the newest count per sender session. A message lost between a worker and
+the learner therefore shows up as ``lost["in_flight"]`` as soon as a later message of the same
+sender arrives. With sender retention (:mod:`streamrl.transport.retention`) that number is 0
+across learner crashes: what the dead learner lost is sent again. A tail no message ever
+reported (the batch a SIGKILLed worker was generating) is invisible by construction;
+admission control refunds its reservation instead.
 """
 from __future__ import annotations
 
@@ -25,24 +28,13 @@ from collections import Counter
 import torch
 from tensordict import TensorDict
 
-from streamrl.trajectory import ID_SHIFT
-
 log = logging.getLogger(__name__)
-# Mirrors streamrl.workers.rollout.INCARNATION_BITS (a test keeps them equal).
-INCARNATION_BITS = 28
-
-
-def split_id(tid: int) -> tuple[int, int, int]:
-    """(worker_id, incarnation, counter) of an id made by the rollout worker."""
-    low = tid & ((1 << ID_SHIFT) - 1)
-    return tid >> ID_SHIFT, low >> INCARNATION_BITS, low & ((1 << INCARNATION_BITS) - 1)
 
 
 class Ledger:
     """Counters of one run (rank 0). JSON state via :meth:`state_dict`; trained ids as a tensor."""
 
-    def __init__(self, group_size: int):
-        self.group_size = group_size
+    def __init__(self):
         self.accepted = 0
         self.trained = 0
         self.duplicated = 0
@@ -51,22 +43,23 @@ class Ledger:
         self.rejected: Counter[str] = Counter()  # messages rejected (transport + learner gates), by reason
         self.gated: Counter[str] = Counter()  # this incarnation's learner-gate rejections (folded into rejected)
         self.duplicates_dropped = 0
+        self.rejected_trajectories = 0  # trajectories of registered workers' rejected messages
         self.known_workers: set[int] = set()
         self.workers_joined = 0
         self.workers_left = 0
         self.trained_ids: set[int] = set()
-        # (worker, incarnation) -> [groups received, max group counter]
-        self._groups: dict[tuple[int, int], list[int]] = {}
+        self.produced: dict[tuple[int, int], int] = {}  # (worker, sender session) -> newest cumulative count
 
     # -- events ------------------------------------------------------------------------------
     def on_accept(self, td: TensorDict) -> None:
         """A batch passed every gate and enters the buffer."""
         self.accepted += int(td["traj_id"].numel())
-        for gid in torch.unique(td["group_id"]).tolist():
-            w, inc, c = split_id(gid)
-            rec = self._groups.setdefault((w, inc), [0, 0])
-            rec[0] += 1
-            rec[1] = max(rec[1], c)
+
+    def on_produced(self, counts: dict[tuple[int, int], int]) -> None:
+        """Newest cumulative ``produced`` counts per (worker, sender session) from the transport."""
+        for key, n in counts.items():
+            if key[0] in self.known_workers and n > self.produced.get(key, 0):
+                self.produced[key] = n
 
     def on_train(self, batch: TensorDict) -> None:
         ids = batch["traj_id"].tolist()
@@ -77,15 +70,6 @@ class Ledger:
         self.trained_ids.update(ids)
         self.trained += len(ids)
 
-    def in_flight_gaps(self) -> int:
-        """Trajectories of groups missing between received groups of one worker incarnation."""
-        stride = self.group_size + 1
-        missing = 0
-        for n, top in self._groups.values():
-            expected = (top - 1) // stride + 1 if top >= 1 else n
-            missing += max(0, expected - n)
-        return missing * self.group_size
-
     # -- report ------------------------------------------------------------------------------
     def summary(self, pending: int, stale: int, overflow: int) -> dict:
         lost = Counter(self.lost)
@@ -93,11 +77,13 @@ class Ledger:
             lost["stale"] = stale
         if overflow:
             lost["group_overflow"] = overflow
-        gaps = self.in_flight_gaps()
         accounted = self.trained + pending + sum(lost.values())
-        if gaps:
-            lost["in_flight_gap"] = gaps  # never reached us: not part of the accepted balance
+        produced = sum(self.produced.values())
+        in_flight = produced - accounted - self.rejected_trajectories
+        if in_flight > 0:
+            lost["in_flight"] = in_flight  # produced, never reached us: not part of the accepted balance
         return {
+            "produced": produced,
             "accepted": self.accepted,
             "trained": self.trained,
             "pending_at_end": pending,
@@ -107,10 +93,12 @@ class Ledger:
             "duplicates_dropped": self.duplicates_dropped,
             "replayed_from_journal": self.replayed,
             "rejected_messages": dict(sorted(self.rejected.items())),
+            "rejected_trajectories": self.rejected_trajectories,
             "workers_seen": len(self.known_workers),
             "workers_joined": self.workers_joined,
             "workers_left": self.workers_left,
-            "balanced": accounted == self.accepted,
+            # produced < accounted would mean a count went wrong (or a sender without counts)
+            "balanced": accounted == self.accepted and in_flight >= 0,
         }
 
     # -- checkpoint ------------------------------------------------------------------------------
@@ -119,7 +107,8 @@ class Ledger:
                 "replayed": self.replayed, "lost": dict(self.lost), "rejected": dict(self.rejected),
                 "duplicates_dropped": self.duplicates_dropped, "known_workers": sorted(self.known_workers),
                 "workers_joined": self.workers_joined, "workers_left": self.workers_left,
-                "groups": [[w, i, n, m] for (w, i), (n, m) in self._groups.items()]}
+                "rejected_trajectories": self.rejected_trajectories,
+                "produced": [[w, s, n] for (w, s), n in self.produced.items()]}
 
     def load_state_dict(self, state: dict, trained_ids: list[int]) -> None:
         self.accepted = int(state.get("accepted", 0))
@@ -132,7 +121,8 @@ class Ledger:
         self.known_workers = set(map(int, state.get("known_workers", [])))
         self.workers_joined = int(state.get("workers_joined", 0))
         self.workers_left = int(state.get("workers_left", 0))
-        self._groups = {(w, i): [n, m] for w, i, n, m in state.get("groups", [])}
+        self.rejected_trajectories = int(state.get("rejected_trajectories", 0))
+        self.produced = {(int(w), int(s)): int(n) for w, s, n in state.get("produced", [])}
         self.trained_ids = set(trained_ids)
 
     def trained_ids_tensor(self) -> torch.Tensor:

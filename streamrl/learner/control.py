@@ -29,12 +29,13 @@ class ControlPlane:
         config: the run config as a dict (re-stored after a Redis restart).
         endpoint: the trajectory endpoint workers connect to.
         ledger: the run's :class:`~streamrl.learner.accounting.Ledger` (worker join/leave counts).
-        refund_on_leave: groups to refund when a worker's heartbeat expires (its open batch).
+        admission: the learner's :class:`~streamrl.learner.intake.Admission`; a worker whose
+            heartbeat expires gets one batch of groups (what it held open) refunded through it.
     """
 
-    def __init__(self, coord: Coordinator, config: dict, endpoint: str, ledger, refund_on_leave: int):
+    def __init__(self, coord: Coordinator, config: dict, endpoint: str, ledger, admission):
         self.coord, self.config, self.endpoint, self.ledger = coord, config, endpoint, ledger
-        self.refund_on_leave = refund_on_leave
+        self.admission = admission
         self.reasserts = 0
         self.version = -1
         self.accounted_groups = 0
@@ -57,7 +58,7 @@ class ControlPlane:
         c.reassert_version()
         c.set_capacity(accounted_groups)
         for w, inc in self._incarnations.items():
-            c.raise_counter(f"streamrl:{c.keys.run}:incarnation:{w}", inc)
+            c.raise_counter(c.keys.incarnation(w), inc)
         for w in self._alive:  # keep departures detectable after a restart wiped the registry
             c.r.sadd(c.keys.workers, w)
 
@@ -93,8 +94,8 @@ class ControlPlane:
                 self._alive.discard(w)
                 self.ledger.workers_left += 1
                 log.warning("worker %d left: no heartbeat within its TTL; no longer waiting on it, "
-                            "refunding %d group reservation(s)", w, self.refund_on_leave)
-                self.coord.refund(self.refund_on_leave)
+                            "refunding %d group reservation(s)", w, self.admission.groups_per_batch)
+                self.admission.refund(self.admission.groups_per_batch, "worker_left")
 
     def alive(self) -> set[int]:
         return set(self._alive)

@@ -24,9 +24,15 @@ Sockets and their invariants: :mod:`streamrl.transport.sockets`.
 Ordering and integrity: each sender has a random 63-bit ``session`` and numbers its data
 messages ``seq = 0, 1, 2, ...``. The receiver tracks ``(worker_id, session)``: a jump is a gap
 (messages lost: counted, logged), a step back is a replay (counted); a new session of a known
-worker is a restart (counted). Trajectory ids seen within ``dedup_window`` are dropped as
-duplicates. Every rejected message increments ``rejected[reason]`` and is logged (rate
-limited); the receiver never raises on network input.
+worker is a restart (counted). Every rejected message increments ``rejected[reason]`` and is
+logged (rate limited); the receiver never raises on network input. Duplicate trajectory ids
+are dropped by the learner's intake (:mod:`streamrl.learner.intake`), whose id set survives
+restarts in checkpoints and the journal.
+
+Durability: the sender retains every message until the learner acknowledges it
+(:mod:`streamrl.transport.retention`). The receiver acknowledges a message once its caller
+has made it durable: :meth:`TrajectoryReceiver.commit` (and the next ``poll``, which implies
+that everything the previous one returned was handled) sends the acks.
 """
 from __future__ import annotations
 
@@ -41,12 +47,11 @@ from tensordict import TensorDict
 from streamrl.trajectory import (
     SCHEMA_VERSION,
     TrajectoryError,
-    concat_trajectories,
-    split_trajectories,
     validate_trajectories,
 )
 from streamrl.transport.codec import FrameError, Limits, decode, encode
 from streamrl.transport.credits import CreditLedger, CreditWindow, unpack_grant
+from streamrl.transport.retention import DEFAULT_RETAIN_BYTES, Retained, Retention, pack_ack, unpack_ack
 from streamrl.transport.sockets import learner_socket, recv_bounded, worker_socket
 
 log = logging.getLogger(__name__)
@@ -62,29 +67,35 @@ def _is_u63(x) -> bool:
 
 
 class TrajectorySender:
-    """Worker side: sends trajectory batches to the learner, within its byte credit.
+    """Worker side: sends trajectory batches to the learner, within its byte credit, and keeps
+    each one until the learner acknowledges it as durable (resending what a dead learner lost).
 
     Args:
         endpoint: the learner's endpoint (from Redis: ``Coordinator.wait_endpoint``).
         worker_id: this worker's id (every trajectory's ``worker_id`` must match it).
         hwm: send high-water mark in messages (second fence after credits).
-        resync_s: after this long blocked without a grant, send HELLO again (recovers a
-            restarted learner or a lost grant).
+        resync_s: after this long blocked (or holding unacknowledged messages) without hearing
+            from the learner, send HELLO again (recovers a restarted learner or a lost grant).
         initial_credit_bytes: bytes it may send before the learner's first grant.
+        retain_bytes: encoded bytes kept for resending at most (the memory bound of retention;
+            at the bound ``send`` blocks: backpressure, never loss).
 
-    ``send`` returns once the message is queued; the tensors must not be modified until
-    then-queued data is flushed (they are sent zero-copy), which callers get for free by
+    ``send`` returns once the message is queued; the tensors must not be modified afterwards
+    (they are sent zero-copy and retained for a resend), which callers get for free by
     building a fresh batch per send.
     """
 
     def __init__(self, endpoint: str, worker_id: int, hwm: int = 8, ctx: zmq.Context | None = None,
-                 *, resync_s: float = 2.0, initial_credit_bytes: int = INITIAL_CREDIT_BYTES):
+                 *, resync_s: float = 2.0, initial_credit_bytes: int = INITIAL_CREDIT_BYTES,
+                 retain_bytes: int = DEFAULT_RETAIN_BYTES):
         self.ctx = ctx or zmq.Context.instance()
         self.worker_id = int(worker_id)
         self.session = secrets.randbits(63)
         self.seq = 0
+        self.produced = 0  # trajectories handed to the transport by this session (the ledger's "produced")
         self.resync_s = resync_s
         self.credit = CreditWindow(initial_credit_bytes)
+        self.retention = Retention(retain_bytes)
         self.blocked_s = 0.0
         self.hellos = 0
         self.sock = worker_socket(self.ctx, endpoint, hwm, f"{self.worker_id}:{self.session}".encode())
@@ -92,7 +103,8 @@ class TrajectorySender:
         self._hello()
 
     def _hello(self) -> None:
-        meta = {"worker_id": self.worker_id, "session": self.session, "sent_bytes": self.credit.sent}
+        meta = {"worker_id": self.worker_id, "session": self.session, "sent_bytes": self.credit.sent,
+                "seq": self.seq}
         try:  # a HELLO that does not fit right now is retried on the next resync
             self.sock.send_multipart(encode({}, HELLO, meta), zmq.NOBLOCK)
             self.hellos += 1
@@ -100,61 +112,107 @@ class TrajectorySender:
             pass
         self._last_progress = time.monotonic()
 
-    def _drain_grants(self) -> bool:
+    def _drain_control(self) -> bool:
+        """Apply every grant and ack waiting on the socket; True if any arrived."""
         got = False
         while True:
             try:
                 data = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return got
+            ack = unpack_ack(data)
+            if ack is not None:
+                self.retention.on_ack(*ack)
+                got = True
+                continue
             grant = unpack_grant(data)
             if grant is not None:
                 self.credit.grant(*grant)
                 got = True
 
-    def send(self, td: TensorDict, timeout_s: float | None = None) -> bool:
-        """Send one trajectory batch; blocks while the learner is backed up.
+    def service(self) -> None:
+        """Apply grants and acks, resend what a restarted learner lost, HELLO when unacknowledged
+        messages wait too long. Call it while idle (never blocks)."""
+        if self._drain_control():
+            self._last_progress = time.monotonic()
+        if self.retention.lost:
+            self.send(None, timeout_s=0.0)
+        elif self.retention.pending() and time.monotonic() - self._last_progress > self.resync_s:
+            self._hello()
 
-        Returns False if ``timeout_s`` passed without the message being queued (nothing was
-        sent; call again with the same batch).
+    def send(self, td: TensorDict | None, timeout_s: float | None = None) -> bool:
+        """Send one trajectory batch (after any resends due); blocks while the learner is backed up.
+
+        Returns False if ``timeout_s`` passed without the message being queued (nothing of
+        ``td`` was sent; call again with the same batch). ``td=None`` only sends resends.
         """
-        meta = {"worker_id": self.worker_id, "session": self.session, "seq": self.seq,
-                "trajectory_schema": SCHEMA_VERSION, "sent_at": time.time()}
-        frames = encode(dict(td.items()), KIND, meta)
-        nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         t0 = time.monotonic()
         deadline = None if timeout_s is None else t0 + timeout_s
-        self._drain_grants()
-        while not self.credit.may_send(nbytes):
+        try:
+            while True:
+                resend = bool(self.retention.lost)
+                if not resend and td is None:
+                    return True
+                if resend:
+                    item = self.retention.lost[0]
+                else:
+                    item = Retained(td, 0, self.produced + int(td["traj_id"].numel()))
+                outcome = self._send_one(item, resend, deadline)
+                if outcome == "timeout":
+                    return False
+                if outcome == "sent" and not resend:
+                    self.produced = item.produced
+                    return True
+        finally:
+            self.blocked_s += time.monotonic() - t0
+
+    def _send_one(self, item: Retained, resend: bool, deadline: float | None) -> str:
+        """``sent``, ``timeout``, or ``retry`` (an ack meanwhile asked for resends, which go first)."""
+        meta = {"worker_id": self.worker_id, "session": self.session, "seq": self.seq,
+                "trajectory_schema": SCHEMA_VERSION, "sent_at": time.time(), "produced": item.produced}
+        frames = encode(dict(item.td.items()), KIND, meta)
+        nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        if self._drain_control():
+            self._last_progress = time.monotonic()
+        # a resend is already counted in retention, so only credit can hold it back
+        while not (self.credit.may_send(nbytes) and (resend or self.retention.has_room(nbytes))):
+            if not resend and self.retention.lost:
+                return "retry"
             now = time.monotonic()
             if now - self._last_progress > self.resync_s:
                 self._hello()
             wait = self.resync_s if deadline is None else min(self.resync_s, deadline - now)
             if wait <= 0:
-                self.blocked_s += time.monotonic() - t0
-                return False
-            if self.sock.poll(max(1, int(wait * 1000)), zmq.POLLIN) and self._drain_grants():
+                return "timeout"
+            if self.sock.poll(max(1, int(wait * 1000)), zmq.POLLIN) and self._drain_control():
                 self._last_progress = time.monotonic()
+        if not resend and self.retention.lost:
+            return "retry"
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if remaining is not None and not self.sock.poll(int(remaining * 1000), zmq.POLLOUT):
-            self.blocked_s += time.monotonic() - t0
-            return False
+            return "timeout"
         self.sock.send_multipart(frames, copy=False)
         self.credit.sent_message(nbytes)
+        if resend:
+            self.retention.pop_lost()
+        self.retention.keep(self.seq, Retained(item.td, nbytes, item.produced))
         self.seq += 1
-        self.blocked_s += time.monotonic() - t0
-        return True
+        return "sent"
 
-    def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until the learner has read everything sent (graceful shutdown); True if so."""
+    def flush(self, timeout_s: float = 10.0, durable: bool = False) -> bool:
+        """Wait until the learner has read everything sent (with ``durable``: acknowledged it,
+        resending what it lost); True if so."""
         deadline = time.monotonic() + timeout_s
-        while self.credit.in_flight() > 0:
+        while self.credit.in_flight() > 0 or (durable and self.retention.pending()):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
+            if durable and self.retention.lost and not self.send(None, timeout_s=remaining):
+                return False
             if time.monotonic() - self._last_progress > self.resync_s:
                 self._hello()
-            if self.sock.poll(max(1, int(min(remaining, self.resync_s) * 1000)), zmq.POLLIN) and self._drain_grants():
+            if (self.sock.poll(max(1, int(min(remaining, self.resync_s) * 1000)), zmq.POLLIN)
+                    and self._drain_control()):
                 self._last_progress = time.monotonic()
         return True
 
@@ -165,6 +223,11 @@ class TrajectorySender:
             "transport/in_flight_bytes": self.credit.in_flight(),
             "transport/blocked_s": self.blocked_s,
             "transport/hellos": self.hellos,
+            "transport/produced": self.produced,
+            "transport/retained_messages": self.retention.pending(),
+            "transport/retained_bytes": self.retention.bytes,
+            "transport/acked_messages": self.retention.acked,
+            "transport/resent_messages": self.retention.resent,
         }
 
     def close(self) -> None:
@@ -172,19 +235,17 @@ class TrajectorySender:
 
 
 class TrajectoryReceiver:
-    """Learner side: binds the ROUTER socket, decodes, validates, dedups, counts, grants credit.
+    """Learner side: binds the ROUTER socket, decodes, validates, counts, grants credit, acks.
 
     Args:
         bind: ZeroMQ endpoint to bind (``tcp://host:*`` for a free port; read ``.endpoint``).
         hwm: receive high-water mark in messages per worker.
         limits: codec limits checked before allocating.
-        dedup_window: how many recent trajectory ids are remembered for duplicate drops.
         credit_bytes: bytes each worker may have in flight (the memory bound per worker).
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:*", hwm: int = 8, limits: Limits = Limits(),
-                 ctx: zmq.Context | None = None, dedup_window: int = 1_000_000,
-                 *, credit_bytes: int = DEFAULT_CREDIT_BYTES):
+                 ctx: zmq.Context | None = None, *, credit_bytes: int = DEFAULT_CREDIT_BYTES):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = learner_socket(self.ctx, bind, hwm, limits)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -197,14 +258,17 @@ class TrajectoryReceiver:
         self.seq_gaps = 0
         self.seq_replays = 0
         self.restarts = 0
-        self.duplicates = 0
         self.hellos = 0
+        self.acks_sent = 0
         self._latency_sum = 0.0
         self._latency_n = 0
         self._next_seq: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._session_of: dict[int, int] = {}
-        self._seen: OrderedDict[int, None] = OrderedDict()
-        self._dedup_window = dedup_window
+        # peer -> [horizon, seqs handled since the last commit] (see streamrl.transport.retention)
+        self._acks: dict[bytes, list] = {}
+        # (worker_id, session) -> trajectories that sender had produced up to its newest message read
+        self.produced: dict[tuple[int, int], int] = {}
+        self.rejected_trajectories: Counter[int] = Counter()  # worker_id -> trajectories in rejected messages
         self._last_log = 0.0
         self.max_version: int | None = None
 
@@ -212,8 +276,10 @@ class TrajectoryReceiver:
         """Receive trajectory batches arriving within ``timeout_s``.
 
         Returns as soon as at least one batch was accepted (after draining what is already
-        queued, up to ``max_messages`` reads), or an empty list at the deadline.
+        queued, up to ``max_messages`` reads), or an empty list at the deadline. Calling it
+        again acknowledges what the previous call returned (see :meth:`commit`).
         """
+        self.commit()
         out: list[TensorDict] = []
         deadline = time.monotonic() + timeout_s
         reads = 0
@@ -245,10 +311,42 @@ class TrajectoryReceiver:
             except zmq.ZMQError:  # peer gone or its pipe full: it resyncs by HELLO
                 pass
 
+    def commit(self) -> None:
+        """Acknowledge every message handled since the last commit: the caller has made what
+        :meth:`poll` returned durable (journaled) or dropped it for good. Rejected messages and
+        HELLO horizons are acknowledged here too, so a sender never resends them."""
+        for peer, (horizon, seqs) in self._acks.items():
+            try:
+                self.sock.send_multipart([peer, pack_ack(horizon, seqs)], zmq.NOBLOCK)
+                self.acks_sent += 1
+            except zmq.ZMQError:  # peer gone or its pipe full: a later horizon makes it resend; ids dedup
+                pass
+        self._acks.clear()
+
+    def _count_rejected(self, meta: dict, tensors: dict) -> None:
+        """A registered-looking sender's message was rejected after decoding: its trajectories
+        still count as produced (and rejected), so the learner's ledger balances."""
+        ids = tensors.get("traj_id")
+        worker, session, produced = meta.get("worker_id"), meta.get("session"), meta.get("produced")
+        if hasattr(ids, "numel") and _is_u63(worker) and _is_u63(session) and _is_u63(produced):
+            key = (worker, session)
+            self.produced[key] = max(self.produced.get(key, 0), produced)
+            self.rejected_trajectories[worker] += int(ids.numel())
+
+    def _handled(self, peer: bytes, seq: int, horizon_only: bool = False) -> None:
+        rec = self._acks.setdefault(peer, [0, []])
+        if horizon_only:  # a HELLO: everything before its seq was read or lost
+            rec[0] = max(rec[0], seq)
+        else:
+            rec[0] = max(rec[0], seq + 1)
+            rec[1].append(seq)
+
     def _handle(self, peer: bytes, frames, nbytes: int, error: FrameError | None) -> TensorDict | None:
         self.received_messages += 1
         self.received_bytes += nbytes
         accounted = False
+        seq = None
+        meta, tensors = {}, {}
         try:
             if error is not None:
                 raise error
@@ -259,12 +357,18 @@ class TrajectoryReceiver:
                 return None
             self.ledger.consume(peer, nbytes)
             accounted = True
+            seq = meta.get("seq") if _is_u63(meta.get("seq")) else None
             if kind != KIND:
                 raise FrameError("bad_kind", f"kind {kind[:32]!r}, expected {KIND!r}")
-            return self._accept(meta, tensors)
+            td = self._accept(meta, tensors)
+            self._handled(peer, seq)
+            return td
         except (FrameError, TrajectoryError) as e:
             if not accounted:  # garbage still used queue space; a worker clamps consumed to sent
                 self.ledger.consume(peer, nbytes)
+            if seq is not None:  # resending a rejected message would be rejected again
+                self._handled(peer, seq)
+                self._count_rejected(meta, tensors)
             self._reject(e.reason, str(e))
             return None
 
@@ -274,8 +378,10 @@ class TrajectoryReceiver:
             raise FrameError("bad_meta", "hello needs integer worker_id, session, sent_bytes")
         self.hellos += 1
         self.ledger.resync(peer, meta["sent_bytes"])
+        if _is_u63(meta.get("seq")):
+            self._handled(peer, meta["seq"], horizon_only=True)
 
-    def _accept(self, meta: dict, tensors: dict) -> TensorDict | None:
+    def _accept(self, meta: dict, tensors: dict) -> TensorDict:
         if meta.get("trajectory_schema") != SCHEMA_VERSION:
             raise FrameError("bad_schema_version", f"trajectory schema {str(meta.get('trajectory_schema'))[:32]!r}")
         worker, session, seq = meta.get("worker_id"), meta.get("session", 0), meta.get("seq")
@@ -290,21 +396,11 @@ class TrajectoryReceiver:
         if isinstance(sent_at, float):
             self._latency_sum += max(0.0, time.time() - sent_at)
             self._latency_n += 1
-        keep = []
-        for i, tid in enumerate(td["traj_id"].tolist()):
-            if tid in self._seen:
-                self.duplicates += 1
-                continue
-            self._seen[tid] = None
-            keep.append(i)
-        while len(self._seen) > self._dedup_window:
-            self._seen.popitem(last=False)
-        if not keep:
-            return None
-        if len(keep) < td["traj_id"].numel():
-            parts = split_trajectories(td)
-            td = concat_trajectories([parts[i] for i in keep])
-        self.received_trajectories += len(keep)
+        produced = meta.get("produced")
+        if _is_u63(produced):  # the sender's cumulative count: the learner's ledger balances against it
+            key = (worker, session)
+            self.produced[key] = max(self.produced.get(key, 0), produced)
+        self.received_trajectories += int(td["traj_id"].numel())
         return td
 
     def _track_seq(self, worker: int, session: int, seq: int) -> None:
@@ -327,11 +423,6 @@ class TrajectoryReceiver:
         while len(self._next_seq) > 65536:  # bounded even under session churn
             self._next_seq.popitem(last=False)
 
-    def mark_seen(self, traj_ids: list[int]) -> None:
-        """Pre-load the dedup set (e.g. ids already trained before a resume)."""
-        for t in traj_ids:
-            self._seen[t] = None
-
     def _reject(self, reason: str, detail: str) -> None:
         self.rejected[reason] += 1
         if log.isEnabledFor(logging.DEBUG):
@@ -349,8 +440,8 @@ class TrajectoryReceiver:
             "transport/seq_gaps": self.seq_gaps,
             "transport/seq_replays": self.seq_replays,
             "transport/sender_restarts": self.restarts,
-            "transport/duplicates": self.duplicates,
             "transport/hellos": self.hellos,
+            "transport/acks_sent": self.acks_sent,
             "transport/rejected": sum(self.rejected.values()),
             "transport/latency_ms_mean": 1000 * self._latency_sum / max(1, self._latency_n),
         }

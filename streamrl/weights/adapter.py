@@ -14,9 +14,8 @@ Splitting produces *views* of the fused tensor (``gate_up[e, :I]`` is contiguous
 adapter adds no memory. :func:`unadapt` is the inverse, used by tests and by engines that
 want HF names back.
 
-Router EMA (seed article): :class:`RouterEma` keeps an exponential moving average of the
-router weights (``mlp.gate.weight``) on the learner; its :meth:`RouterEma.overrides` dict
-is passed to the publisher, which then ships the EMA instead of the raw router.
+The router EMA the learner publishes (``learner.router_ema``) lives in the trainer
+(:mod:`streamrl.learner.moe_router`); the publisher ships whatever the trainer gathers.
 """
 from __future__ import annotations
 
@@ -104,33 +103,3 @@ def unadapt(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor
         out[f"{p}.gate_up_proj"] = torch.stack([torch.cat([gates[e], ups[e]], 0) for e in range(n)])
         out[f"{p}.down_proj"] = torch.stack([downs[e] for e in range(n)])
     return out
-
-
-class RouterEma:
-    """EMA of router weights: ``ema = decay * ema + (1 - decay) * w`` after each step.
-
-    Holds full (gathered) copies of the router weights only; these are tiny ([E, H] per
-    layer). ``params``: ``{name: tensor}`` of the learner's full router weights.
-    """
-
-    PATTERN = re.compile(r"\.mlp\.gate\.weight$")
-
-    def __init__(self, decay: float):
-        if not 0.0 < decay < 1.0:
-            raise ValueError(f"router EMA decay = {decay}: must be in (0, 1)")
-        self.decay = decay
-        self.ema: dict[str, torch.Tensor] = {}
-
-    def update(self, params: dict[str, torch.Tensor]) -> None:
-        for name, w in params.items():
-            if not self.PATTERN.search(name):
-                continue
-            w = w.detach().float()
-            if name not in self.ema:
-                self.ema[name] = w.clone()
-            else:
-                self.ema[name].mul_(self.decay).add_(w, alpha=1.0 - self.decay)
-
-    def overrides(self) -> dict[str, torch.Tensor]:
-        """``{learner name: EMA tensor}`` for ``WeightPublisher.publish(..., overrides=...)``."""
-        return dict(self.ema)

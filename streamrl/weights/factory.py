@@ -3,14 +3,12 @@
 Learner rank 0::
 
     publisher = make_publisher(coord, run_id, cfg, bind_host=args.bind_host, advertise_host=adv)
-    publisher.publish(version, trainer.param_specs, trainer.full_tensors(), overrides=ema.overrides())
+    publisher.publish(version, trainer.param_specs, trainer.full_tensors())
 
 Rollout worker::
 
     subscriber = make_subscriber(coord, cfg, worker_id=wid)
-    v = subscriber.newer_version()            # newest complete version, or None
-    tensors = subscriber.fetch(v)             # verified (name, tensor) iterator, None if gone
-    engine.load_weights(tensors); subscriber.mark_loaded(wid, v)   # or subscriber.load(engine, wid)
+    v = subscriber.load([engine, reference], wid)   # newest version, verified, loaded, acked (or None)
 
 ``auto`` publishes to the shared-memory store *and* serves it over ZeroMQ; each subscriber
 maps the file when it runs on the learner's host and uses ZeroMQ otherwise.
@@ -18,7 +16,6 @@ maps the file when it runs on the learner's host and uses ZeroMQ otherwise.
 from __future__ import annotations
 
 from streamrl.coord.coordinator import Coordinator
-from streamrl.weights.adapter import RouterEma
 from streamrl.weights.publisher import WeightPublisher
 from streamrl.weights.subscriber import WeightSubscriber
 
@@ -46,8 +43,3 @@ def make_subscriber(coord: Coordinator, cfg=None, worker_id: int | None = None,
     return WeightSubscriber(coord, plane=plane, streams=w.zmq_streams, collective_rank=rank, device=device,
                             verify_threads=w.verify_threads)
 
-
-def make_router_ema(cfg=None) -> RouterEma | None:
-    """The router EMA the config asks for (``weights.router_ema > 0``), else None."""
-    w = getattr(cfg, "weights", None)
-    return RouterEma(w.router_ema) if w is not None and w.router_ema > 0 else None

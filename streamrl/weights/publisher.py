@@ -81,18 +81,14 @@ class WeightPublisher:
         return vf.memoryview(b["offset"], b["nbytes"])
 
     def publish(self, version: int, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                tensors: Iterable[torch.Tensor | tuple[str, torch.Tensor]],
-                overrides: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+                tensors: Iterable[torch.Tensor | tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Write ``tensors`` (full learner tensors in ``specs`` order, produced lazily; items may
         be tensors or ``(name, tensor)``) and announce ``version``.
 
-        ``overrides``: ``{learner name: tensor}`` published instead of the gathered tensor
-        (e.g. a router EMA); the gather still runs so every rank joins its collective.
         Returns ``{"weights/gather_s", "weights/write_s", "weights/publish_s", "weights/bytes",
         "weights/buckets", "weights/peak_tensor_bytes"}``.
         """
         t0 = time.perf_counter()
-        overrides = overrides or {}
         layout = Layout.plan(adapt_specs(specs, self.target), self.bucket_bytes)
         manifest: dict[str, Any] = {
             "version": version, "state": "writing", "plane": self.plane, "target": self.target,
@@ -121,8 +117,6 @@ class WeightPublisher:
             tg = time.perf_counter()
             item = next(it)
             t = item[1] if isinstance(item, tuple) else item
-            if name in overrides:
-                t = overrides[name].to(device=t.device, dtype=t.dtype)
             tw = time.perf_counter()
             gather_s += tw - tg
             peak = max(peak, t.numel() * t.element_size())

@@ -245,9 +245,12 @@ class WeightSubscriber:
         return (pair for i in range(len(layout.buckets)) for pair in layout.views(i, bufs[i]))
 
     # -- load + ack --------------------------------------------------------------------
-    def load(self, engine, worker_id: int, version: int | None = None) -> int | None:
-        """Fetch the newest (or given) version, load it into ``engine`` and ack; returns the
-        version loaded or None. Raises :class:`ChecksumError` like :meth:`fetch`."""
+    def load(self, engines, worker_id: int, version: int | None = None) -> int | None:
+        """Fetch the newest (or given) version, load it into ``engines`` (one engine or a list,
+        e.g. the rollout engine and its parity reference) and ack; returns the version loaded or
+        None. The one weight-loading path of every worker. Raises :class:`ChecksumError` like
+        :meth:`fetch` (nothing is loaded then)."""
+        engines = engines if isinstance(engines, (list, tuple)) else [engines]
         v = self.newer_version() if version is None else version
         if v is None:
             return None
@@ -256,9 +259,12 @@ class WeightSubscriber:
             return None
         tl = time.perf_counter()
         try:
-            engine.load_weights(tensors)
+            if len(engines) > 1:
+                tensors = list(tensors)  # several consumers of one pass
+            for engine in engines:
+                engine.load_weights(tensors)
         finally:
-            del tensors  # the engine copied them: free the views and with them the store lease
+            del tensors  # the engines copied them: free the views and with them the store lease
         self.timings["weights/load_s"] = time.perf_counter() - tl
         self.mark_loaded(worker_id, v)
         return v

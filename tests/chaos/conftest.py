@@ -85,6 +85,14 @@ class Run:
                 return c
         return None
 
+    def journaled_since_checkpoint(self, incarnation: int) -> int:
+        """Batches learner ``incarnation`` (0 = the first) journaled after its newest checkpoint
+        (0 before the run's first checkpoint): what a crash now must recover from the journal."""
+        journal = self.run_dir / "checkpoints" / "journal"
+        segs = sorted(journal.glob(f"after_*_{incarnation:04d}")) if journal.is_dir() else []
+        segs = [g for g in segs if not g.name.startswith("after_00000000_")]  # a checkpoint exists
+        return len(list(segs[-1].glob("[0-9]*.safetensors"))) if segs else 0
+
     def worker_pid(self, wid: int) -> int | None:
         hb = self.coord.workers().get(wid)
         if hb is None or "pid" not in hb:
@@ -152,8 +160,10 @@ def check_consistent(run: Run, steps: int) -> dict:
     print("ACCOUNTING", json.dumps({k: s.get(k) for k in ("status", "steps", "final_version", "resumed_from_step",
                                                          "redis_reasserts")}), json.dumps(acc))
     assert s["status"] == "completed" and s["steps"] == steps
-    assert acc["balanced"], acc  # accepted == trained + pending + lost
+    assert acc["balanced"], acc  # accepted == trained + pending + lost; produced >= that + rejected
     assert acc["duplicated"] == 0  # no trajectory trained twice
+    # every trajectory the workers handed to the transport is accounted for
+    assert acc["produced"] == acc["trained"] + acc["pending_at_end"] + acc["lost_total"] + acc["rejected_trajectories"]
     assert acc["trained"] == steps * 4 * 8  # groups_per_step * group_size per step, no more, no less
     # the published version in Redis is the learner's final one, with a complete manifest
     assert run.coord.current_version() == s["final_version"] >= steps
@@ -168,6 +178,6 @@ def check_consistent(run: Run, steps: int) -> dict:
     ck = latest_checkpoint(run.run_dir / "checkpoints")
     assert ck is not None and ck.name == f"step_{steps:08d}"
     state, _, _ = load_checkpoint(ck, Trainer(cfg))
-    assert state["step"] == steps and state["version"] == s["final_version"]
-    assert state["ledger"]["trained"] == acc["trained"]
+    assert state["step"] == steps and state["run"]["version"] == s["final_version"]
+    assert state["intake"]["ledger"]["trained"] == acc["trained"]
     return s

@@ -11,32 +11,29 @@ import torch
 
 from streamrl.coord.coordinator import Coordinator
 from streamrl.launcher.redis_server import RedisServer
-from streamrl.learner.accounting import INCARNATION_BITS, Ledger, split_id
+from streamrl.learner.accounting import Ledger
 from streamrl.learner.buffer import StalenessBuffer
 from streamrl.learner.journal import Journal
-from streamrl.trajectory import make_id, pack_trajectories
+from streamrl.trajectory import make_id, pack_trajectories, split_id
 
 
 def batch(worker: int, inc: int, first_counter: int, groups: int = 2, gsize: int = 4, version: int = 0):
     """Ids laid out like the rollout worker's: a group id then ``gsize`` trajectory ids per group."""
     gids, tids, c = [], [], first_counter
     for _ in range(groups):
-        gid = make_id(worker, (inc << INCARNATION_BITS) | c)
+        gid = make_id(worker, c, inc)
         c += 1
         for _ in range(gsize):
             gids.append(gid)
-            tids.append(make_id(worker, (inc << INCARNATION_BITS) | c))
+            tids.append(make_id(worker, c, inc))
             c += 1
     n = len(tids)
     return pack_trajectories([[1, 2]] * n, [[3]] * n, [[-0.1]] * n, [[version]] * n, [1.0] * n, gids, tids,
                              worker, 0.0)
 
 
-def test_incarnation_bits_match_the_rollout_worker():
-    from streamrl.workers.rollout import INCARNATION_BITS as rollout_bits
-
-    assert INCARNATION_BITS == rollout_bits
-    assert split_id(make_id(3, (7 << INCARNATION_BITS) | 42)) == (3, 7, 42)
+def test_id_layout_round_trips():
+    assert split_id(make_id(3, 42, incarnation=7)) == (3, 7, 42)
 
 
 def test_journal_replays_after_checkpoint_and_rotates(tmp_path):
@@ -53,17 +50,20 @@ def test_journal_replays_after_checkpoint_and_rotates(tmp_path):
     assert list(j3.replay(4)) == [] and j3.unreadable == 1
 
 
-def test_ledger_balances_and_detects_in_flight_gaps_and_double_training():
-    led = Ledger(group_size=4)
-    b1, b3 = batch(0, 1, 1), batch(0, 1, 21)  # counters 1..10, then 21..30: groups at 11 and 16 never arrived
+def test_ledger_balances_against_produced_and_detects_double_training():
+    led = Ledger()
+    led.known_workers.add(0)
+    b1, b3 = batch(0, 1, 1), batch(0, 1, 21)  # 8 trajectories each
     led.on_accept(b1)
     led.on_accept(b3)
     led.on_train(b1)
+    # the sender reports 24 produced: one 8-trajectory message never reached the learner
+    led.on_produced({(0, 77): 24, (5, 1): 100})  # worker 5 never registered: not counted
     s = led.summary(pending=8, stale=0, overflow=0)
-    assert s["balanced"] and s["trained"] == 8 and s["lost"] == {"in_flight_gap": 8}
+    assert s["balanced"] and s["trained"] == 8 and s["produced"] == 24 and s["lost"] == {"in_flight": 8}
     led.on_train(b1)
     assert led.duplicated == 8
-    restored = Ledger(4)
+    restored = Ledger()
     restored.load_state_dict(led.state_dict(), led.trained_ids_tensor().tolist())
     assert restored.summary(8, 0, 0) == led.summary(8, 0, 0)
 
