@@ -344,6 +344,8 @@ class LearnerConfig:
     """Token budget of one packed micro-batch (gradients accumulate over micro-batches; a longer sequence gets its own)."""
     shared_prompt: bool = False
     """Run a group's shared prompt once per micro-batch, every sample attending to it (same log-probs and gradients)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's forward in backward instead of keeping its activations (long sequences)."""
     logprob_chunk_tokens: int = 512
     """Response positions per chunk of the LM head + log-softmax (bounds the [chunk, vocab] fp32 temporary)."""
 

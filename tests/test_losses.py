@@ -170,3 +170,19 @@ def test_vtrace_losses_gradients():
     (pol + val).backward()
     assert logp.grad.tolist() == [[-2.0, 0.0]]
     assert values.grad.tolist() == [[-1.0, 0.0]]
+
+
+def test_decoupled_ppo_is_the_untruncated_behaviour_weight():
+    """decoupled_ppo (AReaL's paper objective) weighs by pi_prox/mu without a cap; grpo_tis
+    truncates the same weight at tis_cap, grpo_mis drops the token."""
+    from streamrl.config import LearnerConfig
+    from streamrl.learner.objective import compute_policy_loss
+
+    logp = torch.tensor([[-1.0]])
+    behav = logp - math.log(3.0)  # pi_prox / mu = 3 > tis_cap = 2
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 1)
+    got = {}
+    for loss in ("decoupled_ppo", "grpo_tis", "grpo_mis"):
+        cfg = LearnerConfig(loss=loss, tis_cap=2.0)
+        got[loss] = compute_policy_loss(cfg, logp, logp, behav, adv, mask, 1.0, 1.0, 1.0)[0].item()
+    assert got == pytest.approx({"decoupled_ppo": -3.0, "grpo_tis": -2.0, "grpo_mis": 0.0})

@@ -183,3 +183,35 @@ def test_step_minibatches_with_microbatches():
     for k, v in params[0].items():
         # Adam's first steps are ~lr * sign(g): 1e-4 (lr = 1e-3) would catch any flipped sign
         assert torch.allclose(params[1][k], v, atol=1e-4), k
+
+
+def _grads_with_and_without_checkpointing(rank, world, ep, extra):
+    batch = group_batch(4)
+    out = []
+    for ac in ("false", "true"):
+        tr = _trainer([f"learner.ep={ep}", f"learner.activation_checkpointing={ac}", *extra])
+        m = tr.gradients(batch)
+        out.append({"loss": m["learner/loss"], "g": _full_grads(tr)})
+    return out
+
+
+@pytest.mark.parametrize("extra", [
+    ["learner.shared_prompt=true", "learner.max_tokens_per_microbatch=30", "learner.aux_loss_coef=0"],
+    pytest.param(["learner.compile=true"], marks=[pytest.mark.slow, pytest.mark.timeout(900)]),  # compiling: minutes
+])
+def test_activation_checkpointing_leaves_gradients_unchanged(extra):
+    """Per-layer checkpointing (with R3 replay restored for the recompute; and composed with
+    compiled layers) gives the same loss and gradients."""
+    plain, ac = _grads_with_and_without_checkpointing(0, 1, 1, extra)
+    assert ac["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    for k, v in plain["g"].items():
+        assert torch.allclose(ac["g"][k], v, atol=1e-7, rtol=1e-5), k
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_activation_checkpointing_with_fsdp_and_ep():
+    extra = ["learner.shared_prompt=true", "learner.max_tokens_per_microbatch=30", "learner.aux_loss_coef=0"]
+    for plain, ac in spawn_gloo(_grads_with_and_without_checkpointing, 2, 2, extra, timeout_s=300):
+        for k, v in plain["g"].items():
+            assert torch.allclose(ac["g"][k], v, atol=1e-7, rtol=1e-5), k

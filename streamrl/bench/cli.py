@@ -13,6 +13,7 @@ BENCHMARKS = {
     "weights": "weight broadcast: publish() to last ack, split gather/transfer/load",
     "rollout": "rollout worker loop vs the bare engine generate",
     "e2e": "asynchronous vs synchronous training, same config and resources",
+    "learner": "learner step: padded full-vocab (before) vs packed micro-batches vs shared-prompt groups",
 }
 
 

@@ -13,8 +13,10 @@ grpo_tis              token-level truncated IS ``min(pi_prox/mu, tis_cap)``
 grpo_mis              token-level masked IS (tokens with ``pi_prox/mu > tis_cap`` leave the loss)
 grpo_seq_tis          sequence-level truncated IS (product of token ratios, truncated)
 grpo_seq_mis          sequence-level masked IS
-decoupled_ppo         AReaL decoupled PPO: ratio to pi_prox, times ``pi_prox/mu`` masked above
-                      ``tis_cap`` (the behaviour/proximal split matters with ``minibatches > 1``)
+decoupled_ppo         AReaL decoupled PPO as in the paper (Fu et al. 2025, eq. 5): PPO-clip on
+                      ``pi/pi_prox`` times the *untruncated* behaviour weight ``pi_prox/mu``
+                      (AReaL's ``behav_imp_weight_cap = None``; ``tis_cap`` is not used). With a
+                      cap it would be ``grpo_mis`` (masked) or ``grpo_tis`` (truncated)
 ppo_coupled           standard PPO with the behaviour policy as the old policy (no decoupling)
 gspo                  GSPO sequence ratio to pi_prox, times the sequence truncated IS weight
 vtrace                critic variant (IMPALA): a value head learns V-trace targets
@@ -39,7 +41,8 @@ LOSSES: dict[str, dict] = {
     "grpo_mis": {"is_mode": "token-mis"},
     "grpo_seq_tis": {"is_mode": "seq-tis"},
     "grpo_seq_mis": {"is_mode": "seq-mis"},
-    "decoupled_ppo": {"is_mode": "token-mis"},
+    # The paper's objective: the behaviour weight is not truncated (an infinite cap).
+    "decoupled_ppo": {"is_mode": "token-tis", "is_cap": float("inf")},
     "ppo_coupled": {"is_mode": "none", "coupled": True},
     "gspo": {},
     # The off-policy correction is already inside the V-trace advantage (min(rho_bar, rho)).
@@ -81,7 +84,7 @@ def compute_policy_loss(
     loss, st = policy_loss(
         logp, prox_logp, behav_logp, advantages, mask,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,
-        is_mode=preset["is_mode"], is_cap=cfg.tis_cap, coupled=preset.get("coupled", False),
+        is_mode=preset["is_mode"], is_cap=preset.get("is_cap", cfg.tis_cap), coupled=preset.get("coupled", False),
         agg=cfg.agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len,
     )
     if cfg.loss == "vtrace":

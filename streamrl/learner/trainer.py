@@ -21,6 +21,7 @@ from streamrl.algorithms.moe_losses import load_balancing_loss, router_z_loss
 from streamrl.config import Config, ConfigError
 from streamrl.learner.critic import (attach_value_head, critic_metrics, critic_targets, is_critic_param,
                                      response_mdp, value_head, value_loss, whiten_advantages)
+from streamrl.learner.checkpointing import checkpoint_decoder_layers
 from streamrl.learner.logprobs import HeadRequest, response_head, token_logprobs
 from streamrl.learner.padded_reference import padded_routed_experts  # noqa: F401  (re-exported)
 from streamrl.learner.moe_router import RouterController, router_metrics
@@ -95,6 +96,8 @@ class Trainer:
         self.blocks = parallelize(model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision,
                                   compile_layers=lc.compile)
         self.model = model
+        if lc.activation_checkpointing:
+            checkpoint_decoder_layers(model)
         # Names and global shapes: the weights manifest is built from these (no value head:
         # rollout engines have no such parameter).
         self.param_specs = [s for s in global_param_specs(model, lc.ep) if not is_critic_param(s[0])]

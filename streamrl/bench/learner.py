@@ -1,0 +1,271 @@
+"""``streamrl-bench learner``: the learner step, padded (before) vs packed vs shared-prompt.
+
+Same model, same batch, side by side; each implementation runs in its own subprocess so its
+peak resident memory (``ru_maxrss``) is its own:
+
+* ``padded``: the step as it was (:mod:`streamrl.learner.padded_reference`): rows padded to
+  the longest, ``log_softmax`` in fp32 over ``[B, T, V]`` at every position;
+* ``packed``: token-budget micro-batches of packed sequences, log-probs only at response
+  positions in chunks (:meth:`Trainer.step`);
+* ``shared``: ``packed`` with ``learner.shared_prompt``: a group's prompt runs once.
+
+Default shape (the issue's CPU case): SmolLM2-135M dense (``models/smol``), 8 groups x 8
+samples, chat-template arithmetic prompts, responses of 24 tokens, fp32, 2 threads. The
+responses are fixed pseudo-random tokens (the step's cost does not depend on what they say).
+
+Reported per implementation: ``step_s`` (mean over ``--steps`` timed steps after one warm-up
+gradient pass), ``tokens_per_s`` (prompt + response tokens of the batch per second),
+``peak_rss_GiB``; against ``padded``: ``speedup_vs_padded``, ``peak_mem_ratio_vs_padded``,
+``max_abs_logprob_diff`` (response-token log-probs before the step) and ``max_abs_grad_diff``
+(every parameter's gradient of the first pass). With ``--json`` the last line is one JSON object.
+
+``--synthetic-moe`` (the GPU case, ``tools/gpu/learner_long.sh``): the 1.31 B Qwen3-MoE of
+:mod:`streamrl.bench.learner_step` (same shapes, random weights), saved once as an HF folder
+into ``--model`` when that folder does not exist yet, random prompts of ``--prompt-len`` tokens, and achieved
+TFLOP/s (the same FLOP count as ``learner_step``) next to the tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+IMPLS = ("padded", "packed", "shared")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="streamrl-bench learner", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="models/smol", help="HF model folder")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--response-len", type=int, default=24)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1, help="timed steps per implementation")
+    p.add_argument("--budget", type=int, default=2048, help="learner.max_tokens_per_microbatch")
+    p.add_argument("--impl", default="all", help="all, or a comma list of " + ", ".join(IMPLS))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--synthetic-moe", action="store_true", help="the learner_step 1.31 B MoE instead of --model")
+    p.add_argument("--prompt-len", type=int, default=0, help="random prompts of this length (0: chat arithmetic)")
+    p.add_argument("--peak", type=float, default=790.0, help="bf16 peak TFLOP/s per device for mfu")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", default="", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def make_config(args, impl: str):
+    from streamrl.config import load_config
+
+    repo = Path(__file__).resolve().parents[2]
+    return load_config(str(repo / "configs" / "tiny.yaml"), [
+        f"model.path={args.model}", f"model.dtype={args.dtype}", f"learner.device={args.device}",
+        f"learner.activation_checkpointing={'true' if args.activation_checkpointing else 'false'}",
+        f"rollout.max_new_tokens={args.response_len}", "rollout.temperature=1.0", "learner.lr=1e-6",
+        "learner.aux_loss_coef=0", f"learner.max_tokens_per_microbatch={args.budget}",
+        f"learner.shared_prompt={'true' if impl == 'shared' else 'false'}",
+    ])
+
+
+def make_batch(tok, args):
+    """``groups x group_size`` trajectories: chat-template arithmetic prompts, fixed responses."""
+    from streamrl.tasks.arithmetic import Arithmetic
+    from streamrl.trajectory import pack_trajectories
+    from streamrl.workers.rollout import PromptEncoder
+
+    import torch
+
+    rng = random.Random(0)
+    encode = PromptEncoder(tok, chat_template=True)
+    task = Arithmetic(num_digits=2)
+    g = torch.Generator().manual_seed(0)
+    prompts, resp, lps = [], [], []
+    for _ in range(args.groups):
+        prompt = (encode(task.sample(rng).prompt) if not args.prompt_len else
+                  torch.randint(3, len(tok) - 1, (args.prompt_len,), generator=g).tolist())
+        for _ in range(args.group_size):
+            prompts.append(prompt)
+            resp.append(torch.randint(10, len(tok) - 1, (args.response_len,), generator=g).tolist())
+            lps.append((-torch.rand(args.response_len, generator=g) * 3).tolist())
+    n = len(prompts)
+    return pack_trajectories(prompts, resp, lps, [[0] * args.response_len] * n, torch.rand(n, generator=g).tolist(),
+                             [i // args.group_size for i in range(n)], list(range(n)), 0, 0.0)
+
+
+def run_child(args) -> int:
+    """One implementation: warm-up gradient pass (saved for comparison), log-probs, timed steps."""
+    import torch
+    from safetensors.torch import save_file
+
+    from streamrl.learner.packing import response_grid
+    from streamrl.learner.padded_reference import padded_step
+    from streamrl.learner.trainer import Trainer
+    from streamrl.trajectory import to_padded
+
+    torch.set_num_threads(args.threads)
+    impl, work = args.child, Path(args.workdir)
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(0)
+    tr = Trainer(make_config(args, impl))
+    batch = make_batch(tr.tokenizer, args)
+    logp = _logprobs(tr, batch, impl)
+    if impl == "padded":
+        padded_step(tr, batch, optimizer_step=False)
+    else:
+        tr.gradients(batch)
+    grads = {n: p.grad.detach().float().cpu().contiguous() for n, p in tr.model.named_parameters() if p.grad is not None}
+    save_file({**grads, "__logprobs__": logp}, str(work / f"{impl}.safetensors"))
+    del grads
+    tr.optim.zero_grad(set_to_none=True)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        padded_step(tr, batch) if impl == "padded" else tr.step(batch)
+    sync()
+    step_s = (time.perf_counter() - t0) / args.steps
+    pad = to_padded(batch, tr.pad_id)
+    res = {"impl": impl, "step_s": step_s, "tokens_per_s": float(pad["attention_mask"].sum()) / step_s,
+           "trajectories": int(pad["input_ids"].shape[0]), "padded_shape": list(pad["input_ids"].shape),
+           "trained_tokens": float(response_grid(batch, "response_mask").sum()),
+           "peak_rss_GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if args.device.startswith("cuda"):
+        res["peak_cuda_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    if args.synthetic_moe:
+        res.update(_flops(args, tr, float(pad["attention_mask"].sum()) / step_s))
+    (work / f"{impl}.json").write_text(json.dumps(res))
+    return 0
+
+
+def _moe_args(args):
+    """The 1.31 B MoE shape of :mod:`streamrl.bench.learner_step` (its defaults)."""
+    from streamrl.bench import learner_step
+
+    return learner_step.parse_args(["--seq", str(args.prompt_len + args.response_len)])
+
+
+def make_synthetic_model(args, folder: Path) -> None:
+    """Save the learner_step MoE (random, ``--dtype``) with a character tokenizer as an HF folder."""
+    import torch
+
+    from streamrl.bench import learner_step
+    from streamrl.models.tokenizer import build_char_tokenizer
+
+    shape = _moe_args(args)
+    shape.seq = max(shape.seq, 32768)  # max_position_embeddings of the saved config
+    model, _ = learner_step.build(shape, torch.device("cpu"))
+    model.to(torch.float32 if args.dtype == "float32" else torch.bfloat16).save_pretrained(folder)
+    build_char_tokenizer().save_pretrained(folder)
+
+
+def _flops(args, tr, tokens_per_s: float) -> dict[str, float]:
+    """Achieved model TFLOP/s (learner_step's count: 6 x active matmul params + causal attention)."""
+    from streamrl.bench import learner_step
+
+    total = sum(p.numel() for p in tr.model.parameters())
+    _, active, per_tok = learner_step.count_flops(_moe_args(args), total)
+    tflops = per_tok * tokens_per_s / 1e12
+    return {"seq": args.prompt_len + args.response_len, "tflops": tflops, "mfu_vs_peak": tflops / args.peak}
+
+
+def _logprobs(tr, batch, impl: str):
+    """Response-grid log-probs [B, R] of the current weights, by ``impl``'s own path."""
+    import torch
+
+    from streamrl.learner.logprobs import token_logprobs
+    from streamrl.trajectory import to_padded
+
+    p_lens, r_lens = batch["prompt_lens"].tolist(), batch["response_lens"].tolist()
+    with torch.no_grad():
+        if impl == "padded":
+            pad = to_padded(batch, tr.pad_id)
+            logits, _ = tr._forward(tr.model, pad["input_ids"].to(tr.device), pad["attention_mask"].to(tr.device))
+            full = token_logprobs(logits, pad["input_ids"].to(tr.device), tr.cfg.rollout.temperature).cpu()
+            del logits
+            out = torch.zeros(len(p_lens), max(r_lens))
+            for i, (p, r) in enumerate(zip(p_lens, r_lens)):
+                out[i, :r] = full[i, p - 1 : p - 1 + r]
+            return out
+        out = torch.zeros(len(p_lens), max(r_lens))
+        _, _, mbs, plans = tr._prepare(batch)
+        for m in plans[0][0]:
+            out[m.rows] = tr._run(tr.model, m, max(r_lens))[0].cpu()
+        return out
+
+
+def compare(work: Path, impl: str) -> dict[str, float]:
+    """Max |difference| of log-probs and gradients of ``impl`` against ``padded`` (read tensor by tensor)."""
+    from safetensors import safe_open
+
+    out = {"max_abs_logprob_diff": 0.0, "max_abs_grad_diff": 0.0, "max_abs_grad": 0.0}
+    with safe_open(str(work / "padded.safetensors"), "pt") as ref, safe_open(str(work / f"{impl}.safetensors"), "pt") as f:
+        if set(ref.keys()) != set(f.keys()):
+            raise RuntimeError(f"{impl}: gradient names differ from padded")
+        for k in ref.keys():
+            d = float((ref.get_tensor(k) - f.get_tensor(k)).abs().max())
+            if k == "__logprobs__":
+                out["max_abs_logprob_diff"] = d
+            else:
+                out["max_abs_grad_diff"] = max(out["max_abs_grad_diff"], d)
+                out["max_abs_grad"] = max(out["max_abs_grad"], float(ref.get_tensor(k).abs().max()))
+    return out
+
+
+def main(argv=None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw)
+    if args.child:
+        return run_child(args)
+    if not args.synthetic_moe and not Path(args.model).is_dir():
+        print(f"streamrl-bench learner: --model {args.model!r} is not a folder (streamrl-prepare-model makes one)",
+              file=sys.stderr)
+        return 2
+    impls = IMPLS if args.impl == "all" else tuple(args.impl.split(","))
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        print(f"streamrl-bench learner: --impl {args.impl!r}: unknown {bad}; known: all, {', '.join(IMPLS)}",
+              file=sys.stderr)
+        return 2
+    res: dict = {"model": args.model, "groups": args.groups, "group_size": args.group_size,
+                 "response_len": args.response_len, "threads": args.threads, "budget": args.budget,
+                 "device": args.device, "load_1min": os.getloadavg()[0]}
+    with tempfile.TemporaryDirectory(prefix="streamrl-bench-learner-") as tmp:
+        work = Path(tmp)
+        extra = []
+        if args.synthetic_moe:  # built once into --model (kept when it exists), else into the work dir
+            folder = Path(args.model) if args.model != "models/smol" else work / "model"
+            if not (folder / "config.json").exists():
+                make_synthetic_model(args, folder)
+            extra = ["--model", str(folder)]
+        for impl in impls:
+            cmd = [sys.executable, "-m", "streamrl.bench.learner", *raw, *extra,
+                   "--child", impl, "--workdir", tmp]
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+            subprocess.run(cmd, check=True, env=env)
+            r = json.loads((work / f"{impl}.json").read_text())
+            if impl != "padded" and "padded" in res:
+                r.update(compare(work, impl))
+                r["speedup_vs_padded"] = res["padded"]["step_s"] / r["step_s"]
+                r["peak_mem_ratio_vs_padded"] = r["peak_rss_GiB"] / res["padded"]["peak_rss_GiB"]
+            res[impl] = r
+            if not args.json:
+                print(json.dumps(r))
+    # headline figures: the packed step (and the shared-prompt column next to it)
+    for impl in ("packed", "shared"):
+        if impl in res and "padded" in res:
+            for k in ("speedup_vs_padded", "peak_mem_ratio_vs_padded", "max_abs_logprob_diff", "max_abs_grad_diff"):
+                res[k if impl == "packed" else f"shared_{k}"] = res[impl][k]
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
