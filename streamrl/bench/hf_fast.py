@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -144,6 +145,74 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
         out.update(floor, bandwidth_tb_s=bandwidth_tb_s, gap_to_floor=floor["floor_tok_s"] / out["fast_tok_s"])
     engine.close()
     return out
+
+
+def _generate_plain(model, prompts: list[list[int]], new_tokens: int, pad_id: int, no_eos: int, greedy: bool):
+    """Plain ``model.generate()`` on left-padded ``prompts``: response ids ``[B, new_tokens]``."""
+    width = max(len(q) for q in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, q in enumerate(prompts):
+        ids[i, width - len(q):], attn[i, width - len(q):] = torch.tensor(q), 1
+    kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    with torch.no_grad():
+        out = model.generate(ids.to(model.device), attention_mask=attn.to(model.device), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=pad_id, eos_token_id=no_eos, **kw)
+    return out[:, width:].cpu()
+
+
+def bench_groups(engine, prompts: list[list[int]], group_size: int, new_tokens: int, repeats: int = 3) -> dict:
+    """Shared-prompt groups in :class:`FastHFEngine` vs plain ``model.generate()``, same model and lengths.
+
+    ``prompts`` are the distinct prompts; each is sampled ``group_size`` times (temperature 1,
+    EOS off in both, so every response has ``new_tokens`` tokens). Fast and plain runs
+    alternate ``repeats`` times after one warm-up each; ``ratio_vs_plain_generate`` is the
+    ratio of median tokens/s (``..._cpu_time``: per second of process CPU time, which other
+    processes on a shared CPU disturb less). ``greedy_tokens_equal``: greedy responses agree.
+    """
+    from streamrl.engines.hf_fast import FastHFEngine
+
+    if not isinstance(engine, FastHFEngine):
+        raise ValueError(f"bench_groups needs a FastHFEngine, not {type(engine).__name__}")
+    model, device = engine.model, str(engine.device)
+    flat = [q for q in prompts for _ in range(group_size)]
+    if len(flat) > engine.batch:
+        raise ValueError(f"{len(prompts)} prompts x group {group_size} > engine batch {engine.batch}")
+    no_eos = model.config.vocab_size  # never drawn
+    eos, engine.eos_id = engine.eos_id, no_eos
+    try:
+        engine.generate(flat, min(new_tokens, 8), 1.0)
+        _generate_plain(model, flat, min(new_tokens, 8), engine.pad_id, no_eos, greedy=False)
+        fast_tps, plain_tps, fast_cpu, plain_cpu = [], [], [], []
+        prefill_before = engine.prefill_tokens
+        for _ in range(repeats):
+            _sync(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            n = sum(len(t) for t in engine.generate(flat, new_tokens, 1.0).tokens)
+            _sync(device)
+            fast_tps.append(n / (time.perf_counter() - t0))
+            fast_cpu.append(n / (time.process_time() - c0))
+            t0, c0 = time.perf_counter(), time.process_time()
+            n = _generate_plain(model, flat, new_tokens, engine.pad_id, no_eos, greedy=False).numel()
+            _sync(device)
+            plain_tps.append(n / (time.perf_counter() - t0))
+            plain_cpu.append(n / (time.process_time() - c0))
+        prefilled = (engine.prefill_tokens - prefill_before) // repeats
+        fast_greedy = engine.generate(flat, new_tokens, 0.0).tokens
+        plain_greedy = _generate_plain(model, flat, new_tokens, engine.pad_id, no_eos, greedy=True).tolist()
+    finally:
+        engine.eos_id = eos
+    same = [a == b for a, b in zip(fast_greedy, plain_greedy)]
+    fast, plain = statistics.median(fast_tps), statistics.median(plain_tps)
+    return {"prompts": len(prompts), "group_size": group_size, "new_tokens": new_tokens, "repeats": repeats,
+            "share_prompts": engine.share_prompts, "prompt_tokens": sum(len(q) for q in flat),
+            "prompt_tokens_prefilled": prefilled, "fast_tok_s": round(fast, 1), "plain_generate_tok_s": round(plain, 1),
+            "fast_tok_s_runs": [round(x, 1) for x in fast_tps], "plain_tok_s_runs": [round(x, 1) for x in plain_tps],
+            "ratio_vs_plain_generate": round(fast / plain, 3),
+            # tokens per second of this process's CPU time: steadier than wall time on a shared CPU
+            "ratio_vs_plain_generate_cpu_time": round(statistics.median(fast_cpu) / statistics.median(plain_cpu), 3),
+            "greedy_tokens_equal": all(same),
+            "greedy_sequences_equal": f"{sum(same)}/{len(same)}"}
 
 
 def main(argv=None) -> int:

@@ -11,8 +11,14 @@ prefix-cache hits favour neither. ``ratio_vs_bare_engine`` = median per-batch to
 the loop / that of the bare engine (the issue asks >= 0.9); ``ratio_of_totals`` uses sums.
 ``--eval N`` adds greedy exact-answer accuracy on N held-out arithmetic problems.
 
+With ``--engines hf_fast`` the row also compares shared-prompt groups (each prompt prefilled
+once, its K/V forked for the group) with plain ``model.generate()`` on the same prompts and
+lengths (:func:`streamrl.bench.hf_fast.bench_groups`): ``ratio_vs_plain_generate`` and
+``greedy_tokens_equal``.
+
 Examples:
     streamrl-bench rollout --json
+    streamrl-bench rollout --engines hf_fast --max-new-tokens 256 --group-size 8 --json
     streamrl-bench rollout --engines vllm --models smol-moe --smol-path models/smol-moe --eval 100
 """
 from __future__ import annotations
@@ -33,7 +39,7 @@ from streamrl.config import load_config
 from streamrl.tasks.registry import Problem
 
 MODELS = ("tiny", "smol-moe")
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "hf_fast", "vllm")
 
 
 def model_overrides(model: str, smol_path: str) -> list[str]:
@@ -96,9 +102,13 @@ def bench_pair(engine_name: str, model: str, args) -> dict:
     from streamrl.transport.channel import TrajectorySender
     from streamrl.workers.rollout import BatchRoller
 
+    length = []
+    if args.max_new_tokens:  # after the model preset, which sets its own short default
+        length = [f"rollout.max_new_tokens={args.max_new_tokens}",
+                  f"rollout.max_model_len={max(512, args.max_new_tokens + 256)}"]
     cfg = load_config(args.config, [f"rollout.engine={engine_name}", f"rollout.group_size={args.group_size}",
                                     f"rollout.prompts_per_batch={args.prompts_per_batch}",
-                                    *model_overrides(model, args.smol_path), *args.overrides])
+                                    *model_overrides(model, args.smol_path), *length, *args.overrides])
     rc = cfg.rollout
     t0 = time.perf_counter()
     mdl, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
@@ -138,6 +148,13 @@ def bench_pair(engine_name: str, model: str, args) -> dict:
             b, lp = (r1, r2) if first is bare else (r2, r1)
             bare_runs.append(b)
             loop_runs.append(lp)
+        groups = None
+        if engine_name == "hf_fast":
+            # Shared-prompt groups vs plain model.generate() on the same prompts and lengths.
+            from streamrl.bench.hf_fast import bench_groups
+
+            groups = bench_groups(engine, [roller.encode(p.prompt) for p in batches[1]], rc.group_size,
+                                  rc.max_new_tokens, repeats=args.group_repeats)
         acc = None
         if args.eval and model == "smol-moe":
             acc = greedy_accuracy(engine, roller, eval_problems(task, cfg.run.seed, args.eval), rc.max_new_tokens)
@@ -156,6 +173,10 @@ def bench_pair(engine_name: str, model: str, args) -> dict:
            "ratio_of_totals": round(sum_ratio, 3),
            "bare_tokens": sum(n for n, _ in bare_runs), "loop_tokens": sum(n for n, _ in loop_runs),
            "batches": args.batches, "sequences_per_batch": rc.prompts_per_batch * rc.group_size}
+    if groups is not None:
+        row["groups_vs_plain_generate"] = groups
+        row["ratio_vs_plain_generate"] = groups["ratio_vs_plain_generate"]
+        row["greedy_tokens_equal"] = groups["greedy_tokens_equal"]
     if acc is not None:
         row["greedy_accuracy"] = round(acc, 4)
         row["eval_problems"] = args.eval
@@ -188,6 +209,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=8, help="measured batches per path (after 1 warm-up)")
     p.add_argument("--prompts-per-batch", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="response length (overrides rollout.max_new_tokens; EOS is off in the hf_fast group comparison)")
+    p.add_argument("--group-repeats", type=int, default=3, help="hf_fast: timed runs of each path in the group comparison")
     p.add_argument("--eval", type=int, default=0, help="greedy accuracy on this many held-out problems (smol-moe)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
@@ -203,6 +227,10 @@ def main(argv=None) -> int:
             p.error(f"--models: {m!r} is not one of {MODELS}")
     if args.batches < 1:
         p.error(f"--batches = {args.batches}: must be >= 1")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens = {args.max_new_tokens}: must be >= 1")
+    if args.group_repeats < 1:
+        p.error(f"--group-repeats = {args.group_repeats}: must be >= 1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     pairs = [(e, m) for m in models for e in engines]
     rows = []
@@ -216,6 +244,9 @@ def main(argv=None) -> int:
     result = {"rows": rows, "ratio_vs_bare_engine": min(r["ratio_vs_bare_engine"] for r in rows)}
     for r in rows:
         result[f"ratio_vs_bare_engine/{r['engine']}/{r['model']}"] = r["ratio_vs_bare_engine"]
+        if "ratio_vs_plain_generate" in r:  # hf_fast: shared-prompt groups vs plain generate()
+            result["ratio_vs_plain_generate"] = r["ratio_vs_plain_generate"]
+            result["greedy_tokens_equal"] = r["greedy_tokens_equal"]
     if "hf" in engines and args.fast_preset != "none":
         # The hf engine's fast path (static KV cache, refill, CUDA graphs on GPU) against plain
         # model.generate() on the same model, prompts and lengths, in this same run.

@@ -154,7 +154,8 @@ class FastHFEngine:
         compile: run the decode step through ``torch.compile`` (inductor fuses the ~1,000 small
             kernels of a step: norms, rotary, router, sampling) before capturing it (default: on
             with graphs; falls back to the plain step if compilation fails).
-        span_bucket: attended cache span is rounded up to a multiple of this (one graph each).
+        span_bucket: with CUDA graphs, the attended cache span is rounded up to a multiple of this
+            (one graph each); eager steps attend exactly the written positions.
         sync_every: decode steps between reads of the ``done`` flags (refill granularity).
         share_prompts: prefill identical prompts of one refill once and fork their K/V (groups).
         experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
@@ -371,7 +372,7 @@ class FastHFEngine:
         return graph
 
     # ----------------------------------------------------------------------------- interface
-    @torch.no_grad()
+    @torch.inference_mode()  # cheaper per op than no_grad (no version counters): the CPU loop is op-bound
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                  between_steps: BetweenSteps | None = None, version: int = 0) -> Generation:
         """Sample one response per prompt; ``temperature == 0`` is greedy. Slots refill as rows finish.
@@ -446,7 +447,9 @@ class FastHFEngine:
                 if live:
                     poll()
                     top = max(host_pos[s] for s in live) + 1
-                    span = min(-(-top // self.span_bucket) * self.span_bucket, self.max_len)
+                    # graphs need few fixed shapes; eager steps attend exactly what is written
+                    bucket = self.span_bucket if self.graphs_on else 1
+                    span = min(-(-top // bucket) * bucket, self.max_len)
                     self._step(span, greedy)
                     steps += 1
                     for s in live:
