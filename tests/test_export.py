@@ -11,7 +11,7 @@ import torch
 from test_checkpoint import make_batch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from streamrl.config import load_config
+from streamrl.config import ConfigError, load_config
 from streamrl.export import export_checkpoint, main, write_hf_folder
 from streamrl.learner.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
 from streamrl.learner.trainer import Trainer
@@ -122,3 +122,18 @@ def test_smol_dense_export_matches_learner(tmp_path):
     assert main(["--run-dir", str(tmp_path), "--out", str(out)]) == 0
     _assert_plain_hf_folder(out)
     torch.testing.assert_close(_hf_logits(out), ref, atol=1e-4, rtol=0)
+
+
+def test_in_run_step_folders_keep_the_newest(tmp_path):
+    """What ``checkpoint.hf_interval`` / ``save_on_stop`` write: CKPT_DIR/hf/step_N, keep_last of them."""
+    from streamrl.export import hf_export_dir, write_step_folder
+
+    cfg = load_config(f"{REPO}/configs/tiny.yaml", [f"run.run_dir={tmp_path}", "checkpoint.keep_last=2",
+                                                    "checkpoint.hf_interval=1"])
+    tr = Trainer(cfg)
+    for step in (1, 2, 3):
+        assert write_step_folder(tr, step) == hf_export_dir(cfg, step)
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "hf").iterdir()) == ["step_00000002", "step_00000003"]
+    torch.testing.assert_close(_hf_logits(hf_export_dir(cfg, 3)), _learner_logits(tr), atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError, match="'checkpoint.hf_interval' = -1"):
+        load_config(f"{REPO}/configs/tiny.yaml", ["checkpoint.hf_interval=-1"])
