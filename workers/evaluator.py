@@ -68,6 +68,9 @@ class Evaluator:
         if stored is None:
             raise RuntimeError(f"no config in Redis for run {args.run_id}")
         self.cfg = cfg = config_from_dict(stored)
+        if cfg.weights.target != "hf":  # the evaluator's model is a transformers model
+            raise ValueError(f"eval.interval = {cfg.eval.interval} needs weights.target = 'hf' (transformers names), "
+                             f"not {cfg.weights.target!r}")
         device = args.device or cfg.eval.device
         model, self.tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
         self.engine = HFEngine(model, self.tok, device=device)  # copies published weights into the model
