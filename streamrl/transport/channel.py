@@ -122,7 +122,10 @@ class TrajectorySender:
                 return got
             ack = unpack_ack(data)
             if ack is not None:
-                self.retention.on_ack(*ack)
+                lost = self.retention.on_ack(*ack)
+                if lost:
+                    log.warning("worker %d: the learner never got %d message(s) (restarted?); resending them",
+                                self.worker_id, lost)
                 got = True
                 continue
             grant = unpack_grant(data)
