@@ -47,7 +47,8 @@ def eval_set(cfg: Config, task) -> list[Problem]:
     """The held-out problems: ``eval.dataset``'s first ``eval.size`` rows, else the task's held-out seeds."""
     if cfg.eval.dataset:
         d = cfg.data
-        return load_problems(cfg.eval.dataset, d.prompt_key, d.answer_key, d.split, field="eval.dataset")[:cfg.eval.size]
+        rows = load_problems(cfg.eval.dataset, d.prompt_key, d.answer_key, d.split, field="eval.dataset")
+        return rows[:cfg.eval.size]
     return eval_problems(task, cfg.run.seed, cfg.eval.size)
 
 
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(res))
     else:
-        extra = "".join(f"  {k[5:]} {v:.3f}" for k, v in res.items() if k.startswith("eval/pass@") or k.startswith("eval/mean@"))
+        extra = "".join(f"  {k[5:]} {v:.3f}" for k, v in res.items() if k.startswith(("eval/pass@", "eval/mean@")))
         print(f"accuracy {res['eval/accuracy']:.3f}  reward {res['eval/reward_mean']:.3f}{extra}  "
               f"n {res['eval/n']}  ({res['seconds']:.0f} s)")
     return 0

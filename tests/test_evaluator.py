@@ -25,7 +25,8 @@ def tiny():
 def test_evaluate_reports_greedy_accuracy_and_pass_at_k(tiny):
     cfg, model, tok = tiny
     res = evaluate_config(model, tok, cfg)
-    assert res["eval/n"] == 4 and set(res) == {"eval/accuracy", "eval/reward_mean", "eval/n", "eval/pass@2", "eval/mean@2"}
+    assert res["eval/n"] == 4
+    assert set(res) == {"eval/accuracy", "eval/reward_mean", "eval/n", "eval/pass@2", "eval/mean@2"}
     assert 0 <= res["eval/accuracy"] <= res["eval/reward_mean"] + 1e-9 <= 1 + 1e-9
     assert res == evaluate_config(model, tok, cfg)  # greedy and the seeded samples are reproducible
 
