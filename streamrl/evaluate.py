@@ -11,6 +11,7 @@ Figures (keys as written to metrics.jsonl):
 * ``eval/accuracy``: share of problems whose greedy response is correct: it scores >= 1 under
   ``eval.reward`` (default ``task``: the task's own reward; ``math_verify`` for free-form math);
 * ``eval/reward_mean``: mean greedy reward (keeps partial credit);
+* ``eval/accuracy/<dataset>``: greedy accuracy per source dataset of a reasoning-gym mix;
 * with ``eval.samples = k > 0``: ``eval/pass@k`` (share of problems with at least one correct
   of k samples at ``eval.temperature``) and ``eval/mean@k`` (share of correct samples, an
   estimate of pass@1 at that temperature).
@@ -46,7 +47,8 @@ def eval_set(cfg: Config, task) -> list[Problem]:
     """The held-out problems: ``eval.dataset``'s first ``eval.size`` rows, else the task's held-out seeds."""
     if cfg.eval.dataset:
         d = cfg.data
-        return load_problems(cfg.eval.dataset, d.prompt_key, d.answer_key, d.split, field="eval.dataset")[:cfg.eval.size]
+        rows = load_problems(cfg.eval.dataset, d.prompt_key, d.answer_key, d.split, field="eval.dataset")
+        return rows[:cfg.eval.size]
     return eval_problems(task, cfg.run.seed, cfg.eval.size)
 
 
@@ -104,6 +106,12 @@ def evaluate(model, tok, problems: list[Problem], reward: CombinedReward, *, cha
     n = max(len(problems), 1)
     out = {"eval/accuracy": sum(r >= CORRECT for r in greedy) / n, "eval/reward_mean": sum(greedy) / n,
            "eval/n": len(problems)}
+    by_source: dict[str, list[float]] = {}
+    for p, r in zip(problems, greedy):
+        if "source_dataset" in p.fields:  # a task mix (reasoning-gym): which skill moved
+            by_source.setdefault(p.fields["source_dataset"], []).append(r)
+    for name, rs in sorted(by_source.items()):
+        out[f"eval/accuracy/{name}"] = sum(r >= CORRECT for r in rs) / len(rs)
     if samples > 0:
         out[f"eval/pass@{samples}"] = solved / n
         out[f"eval/mean@{samples}"] = sample_hits / (n * samples)
@@ -178,7 +186,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(res))
     else:
-        extra = "".join(f"  {k[5:]} {v:.3f}" for k, v in res.items() if k.startswith("eval/pass@") or k.startswith("eval/mean@"))
+        extra = "".join(f"  {k[5:]} {v:.3f}" for k, v in res.items() if k.startswith(("eval/pass@", "eval/mean@")))
         print(f"accuracy {res['eval/accuracy']:.3f}  reward {res['eval/reward_mean']:.3f}{extra}  "
               f"n {res['eval/n']}  ({res['seconds']:.0f} s)")
     return 0

@@ -25,7 +25,8 @@ def tiny():
 def test_evaluate_reports_greedy_accuracy_and_pass_at_k(tiny):
     cfg, model, tok = tiny
     res = evaluate_config(model, tok, cfg)
-    assert res["eval/n"] == 4 and set(res) == {"eval/accuracy", "eval/reward_mean", "eval/n", "eval/pass@2", "eval/mean@2"}
+    assert res["eval/n"] == 4
+    assert set(res) == {"eval/accuracy", "eval/reward_mean", "eval/n", "eval/pass@2", "eval/mean@2"}
     assert 0 <= res["eval/accuracy"] <= res["eval/reward_mean"] + 1e-9 <= 1 + 1e-9
     assert res == evaluate_config(model, tok, cfg)  # greedy and the seeded samples are reproducible
 
@@ -38,6 +39,9 @@ def test_correct_means_the_eval_reward_reaches_one(tiny):
     none_right = build_reward("exact_answer")  # answer "x": the random model never writes exactly that line
     kw = dict(chat_template=False, max_new_tokens=4, samples=2)
     assert evaluate(model, tok, problems, all_right, **kw)["eval/pass@2"] == 1.0
+    mix = [Problem(f"{i}=", "x", fields={"source_dataset": "ab"[i % 2]}) for i in range(3)]
+    res = evaluate(model, tok, mix, all_right, chat_template=False, max_new_tokens=2)
+    assert res["eval/accuracy/a"] == res["eval/accuracy/b"] == 1.0  # per source dataset of a task mix
     res = evaluate(model, tok, problems, none_right, **kw)
     assert res["eval/accuracy"] == 0.0 and res["eval/pass@2"] == 0.0
 

@@ -99,7 +99,8 @@ def test_math_verify_works_off_the_main_thread():
     import threading
 
     out = []
-    t = threading.Thread(target=lambda: out.append(build_reward("math_verify").score([Problem("q", "1/2")], ["0.5"])[0]))
+    fn = build_reward("math_verify")
+    t = threading.Thread(target=lambda: out.append(fn.score([Problem("q", "1/2")], ["0.5"])[0]))
     t.start()
     t.join(60)
     assert out == [[1.0]]

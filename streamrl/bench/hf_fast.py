@@ -36,10 +36,14 @@ PRESETS = {
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_bench_model(preset: str, device: str, dtype: str, seed: int = 0):
-    """A random Qwen3-MoE of ``preset`` built directly on ``device`` in ``dtype``."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def build_bench_model(preset: str, device: str, dtype: str, seed: int = 0, path: str | None = None):
+    """A random Qwen3-MoE of ``preset`` built directly on ``device`` in ``dtype``, or the HF folder ``path``."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    if path:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype = {dtype!r}: must be one of {sorted(_DTYPES)}")
+        return AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype]).to(device).eval()
     if preset not in PRESETS:
         raise ValueError(f"preset = {preset!r}: must be one of {sorted(PRESETS)}")
     if dtype not in _DTYPES:
@@ -65,7 +69,8 @@ def param_counts(model) -> dict:
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     embed = model.model.embed_tokens.weight.numel()
-    active = total - embed - experts + experts * cfg.num_experts_per_tok // cfg.num_experts
+    k, e = getattr(cfg, "num_experts_per_tok", 1), getattr(cfg, "num_experts", 1)  # dense: 1 of 1
+    active = total - embed - experts + experts * k // e
     return {"params_total": total, "params_active": active, "params_embedding": embed}
 
 
@@ -73,8 +78,10 @@ def bandwidth_floor(model, batch: int, prompt_len: int, new_tokens: int, bytes_p
     """Bytes one decode step must read (weights + mean attended K/V) and the implied tok/s bound."""
     cfg = model.config
     el = next(model.parameters()).element_size()
-    weights = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
-    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    weights = sum(p.numel() for p in model.parameters())  # tied head and embedding counted once
+    if not getattr(cfg, "tie_word_embeddings", False):  # the input embedding reads B rows only
+        weights -= model.model.embed_tokens.weight.numel()
+    e, k = getattr(cfg, "num_experts", 1), getattr(cfg, "num_experts_per_tok", 1)  # dense: 1 of 1
     hit = 1.0 - (1.0 - k / e) ** batch  # expected fraction of experts a step touches
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     w_bytes = (weights - experts + experts * hit) * el
@@ -94,25 +101,31 @@ def _sync(device: str) -> None:
 def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str = "float32", batch: int = 16,
                            prompt_len: int = 16, new_tokens: int = 32, seed: int = 0,
                            bandwidth_tb_s: float = 4.8, skip_generate: bool = False,
-                           compile: bool | None = None) -> dict:
-    """Tokens/s of :class:`FastHFEngine` and of ``model.generate()`` side by side; returns figures."""
+                           compile: bool | None = None, model_path: str | None = None, span_bucket: int = 128,
+                           generate_tokens: int | None = None) -> dict:
+    """Tokens/s of :class:`FastHFEngine` and of ``model.generate()`` side by side; returns figures.
+
+    ``model_path``: an HF folder instead of the random ``preset`` (e.g. SmolLM2); ``generate_tokens``:
+    time plain ``generate()`` on this many new tokens only (default ``new_tokens``; it runs ~80 ms
+    a step on the GPU, so thousands of steps do not fit a short run), reported as ``generate_new_tokens``.
+    """
     from streamrl.engines.hf_fast import FastHFEngine
 
     for name, v in (("batch", batch), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
         if v < 1:
             raise ValueError(f"{name} = {v}: must be >= 1")
-    model = build_bench_model(preset, device, dtype, seed)
+    model = build_bench_model(preset, device, dtype, seed, path=model_path)
     vocab = model.config.vocab_size
     no_eos = vocab  # never drawn: both paths decode exactly new_tokens
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, vocab, (batch, prompt_len), generator=gen)
-    out = {"preset": preset, "device": device, "dtype": dtype, "batch": batch, "prompt_len": prompt_len,
+    out = {"preset": model_path or preset, "device": device, "span_bucket": span_bucket, "dtype": dtype, "batch": batch, "prompt_len": prompt_len,
            "new_tokens": new_tokens, **param_counts(model)}
     if device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name()
 
     engine = FastHFEngine(model, None, device=device, batch_size=batch, max_seq_len=prompt_len + new_tokens,
-                          eos_token_id=no_eos, compile=compile)
+                          eos_token_id=no_eos, compile=compile, span_bucket=span_bucket)
     plist = prompts.tolist()
     t0 = time.perf_counter()
     engine.generate(plist, new_tokens, 1.0)  # warm-up: captures the graphs
@@ -134,11 +147,12 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
             model.generate(ids, max_new_tokens=4, **kw)  # warm-up
             _sync(device)
             t0 = time.perf_counter()
-            seq = model.generate(ids, max_new_tokens=new_tokens, **kw)
+            seq = model.generate(ids, max_new_tokens=generate_tokens or new_tokens, **kw)
             _sync(device)
         dt = time.perf_counter() - t0
         n_gen = int((seq.shape[1] - prompt_len) * batch)
-        out.update(generate_tokens=n_gen, generate_s=dt, generate_tok_s=n_gen / dt,
+        out.update(generate_tokens=n_gen, generate_new_tokens=seq.shape[1] - prompt_len, generate_s=dt,
+                   generate_tok_s=n_gen / dt,
                    ratio_vs_plain_generate=out["fast_tok_s"] / (n_gen / dt))
     if device.startswith("cuda"):
         floor = bandwidth_floor(model, batch, prompt_len, new_tokens, bandwidth_tb_s * 1e12)
@@ -226,6 +240,9 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the floor (H200: 4.8)")
     p.add_argument("--skip-generate", action="store_true", help="time only the fast path")
     p.add_argument("--no-compile", action="store_true", help="capture the plain (uncompiled) decode step")
+    p.add_argument("--model-path", default=None, help="HF folder to run instead of --preset (e.g. a SmolLM2 folder)")
+    p.add_argument("--span-bucket", type=int, default=128, help="attended-span bucket of the CUDA graphs (one each)")
+    p.add_argument("--generate-tokens", type=int, default=None, help="new tokens of the plain generate() run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = p.parse_args(argv)
@@ -235,7 +252,8 @@ def main(argv=None) -> int:
             preset=a.preset, device=a.device, dtype=a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"),
             batch=a.batch or (256 if big else 16), prompt_len=a.prompt_len or (128 if big else 16),
             new_tokens=a.new_tokens or (256 if big else 32), seed=a.seed, bandwidth_tb_s=a.bandwidth_tb_s,
-            skip_generate=a.skip_generate, compile=False if a.no_compile else None)
+            skip_generate=a.skip_generate, compile=False if a.no_compile else None, model_path=a.model_path,
+            span_bucket=a.span_bucket, generate_tokens=a.generate_tokens)
     except ValueError as e:
         print(f"hf_fast bench: {e}", file=sys.stderr)
         return 2

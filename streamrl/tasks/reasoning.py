@@ -70,7 +70,8 @@ def parse_datasets(datasets: Mapping[str, Any] | None, field: str = "task.datase
     out = []
     for name, spec in datasets.items():
         if name not in known or name == "composite":
-            raise ValueError(f"{field}.{name}: not a reasoning-gym dataset; known: {sorted(set(known) - {'composite'})}")
+            names = sorted(set(known) - {"composite"})
+            raise ValueError(f"{field}.{name}: not a reasoning-gym dataset; known: {names}")
         options = dict(spec) if isinstance(spec, Mapping) else {"weight": spec}
         weight = options.pop("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:

