@@ -85,12 +85,20 @@ class Run:
                 return c
         return None
 
-    def journaled_since_checkpoint(self, incarnation: int) -> int:
-        """Batches learner ``incarnation`` (0 = the first) journaled after its newest checkpoint
-        (0 before the run's first checkpoint): what a crash now must recover from the journal."""
+    def latest_checkpoint_step(self) -> int:
+        """Step of the newest complete checkpoint (0 if none)."""
+        from streamrl.learner.checkpoint import latest_checkpoint
+
+        ck = latest_checkpoint(self.run_dir / "checkpoints")
+        return int(ck.name.split("_")[1]) if ck is not None else 0
+
+    def journaled_after(self, incarnation: int, step: int) -> int:
+        """Batches learner ``incarnation`` (0 = the first) journaled after a checkpoint newer than
+        ``step`` (one it wrote itself when ``step`` is where it started): what a crash now must
+        recover from the journal and from the workers' retention."""
         journal = self.run_dir / "checkpoints" / "journal"
         segs = sorted(journal.glob(f"after_*_{incarnation:04d}")) if journal.is_dir() else []
-        segs = [g for g in segs if not g.name.startswith("after_00000000_")]  # a checkpoint exists
+        segs = [g for g in segs if int(g.name.split("_")[1]) > step]
         return len(list(segs[-1].glob("[0-9]*.safetensors"))) if segs else 0
 
     def worker_pid(self, wid: int) -> int | None:

@@ -45,8 +45,9 @@ def _kill_learner_between_checkpoints(run, incarnation: int, killed: list[int]) 
     checkpoint (so the journal and the workers' retention both have something to recover)."""
     pid = wait_for(lambda: run.learner_rank_pid() not in (None, *killed) and run.learner_rank_pid(), 200,
                    f"learner incarnation {incarnation}")
-    wait_for(lambda: run.journaled_since_checkpoint(incarnation) >= 1, 200,
-             f"learner incarnation {incarnation}: journal entries after its newest checkpoint")
+    started_at = run.latest_checkpoint_step()  # it resumes from here (its replay lands after it)
+    wait_for(lambda: run.journaled_after(incarnation, started_at) >= 1, 200,
+             f"learner incarnation {incarnation}: a checkpoint of its own, then journal entries")
     assert run.proc.poll() is None, "run ended before the fault could be injected"
     os.kill(pid, signal.SIGKILL)  # the training process dies; torchrun reports the failure
     killed.append(pid)
@@ -99,8 +100,7 @@ def test_torchrun_agent_sigkilled_takes_its_rank_and_the_run_resumes(launch):
     # die_with_parent the old rank would keep training, holding the port and double-counting.
     steps = 80
     run = launch("--learner-restarts", "1", steps=steps)
-    wait_for(lambda: run.journaled_since_checkpoint(0) >= 1 and run.steps() >= 6, 180,
-             "6+ learner steps and journal entries after the newest checkpoint")
+    wait_for(lambda: run.journaled_after(0, 0) >= 1, 180, "a checkpoint, then journal entries after it")
     agent, rank = run.learner_pid(), run.learner_rank_pid()
     assert agent is not None and rank is not None and run.proc.poll() is None, "too late to inject the fault"
     os.kill(agent, signal.SIGKILL)
