@@ -48,34 +48,43 @@ def parse_dtype(name: str | None) -> "torch.dtype | None":
     return getattr(torch, DTYPES[name])
 
 
-def save_tokenizer(cfg, out: Path) -> None:
+def source_folder(model) -> str:
+    """The HF folder (or hub id) the run's model was loaded from; "" for the built tiny MoE.
+
+    Taken from the loaded model rather than ``model.path`` so a hub id resolved to a cache
+    folder at load time is read from the same place."""
+    return str(getattr(model.config, "_name_or_path", "") or "")
+
+
+def save_tokenizer(source: str, out: Path) -> None:
     """The run's tokenizer files, as the source folder has them (the learner pads on the left
     with its own copy; users get the original)."""
-    if cfg.model.path:
+    if source:
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(out)
+        AutoTokenizer.from_pretrained(source).save_pretrained(out)
     else:
         from streamrl.models.tokenizer import build_char_tokenizer
 
         build_char_tokenizer().save_pretrained(out)
 
 
-def _finish(model, cfg, tmp: Path, out: Path, dtype: "torch.dtype | None") -> None:
-    """Write ``model`` (+ tokenizer) to ``tmp``, then move it to ``out`` (never a half folder)."""
+def _finish(model, source: str, tmp: Path, out: Path, dtype: "torch.dtype | None") -> None:
+    """Write ``model`` (+ the tokenizer of ``source``) to ``tmp``, then move it to ``out`` (never a
+    half folder)."""
     from transformers import GenerationConfig
 
     if dtype is not None:
         model.to(dtype)
-    if cfg.model.path:  # the source's sampling defaults, not ones derived from the model config
+    if source:  # the source's sampling defaults, not ones derived from the model config
         try:
-            model.generation_config = GenerationConfig.from_pretrained(cfg.model.path)
+            model.generation_config = GenerationConfig.from_pretrained(source)
         except OSError:  # the source folder has no generation_config.json
             pass
     if getattr(model, "generation_config", None) is None:
         model.generation_config = GenerationConfig.from_model_config(model.config)
     model.save_pretrained(tmp, max_shard_size="2GB")
-    save_tokenizer(cfg, tmp)
+    save_tokenizer(source, tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
@@ -131,7 +140,7 @@ def export_checkpoint(ckpt: Path, out: Path, cfg=None, dtype: "torch.dtype | Non
     """
     t0 = time.perf_counter()
     model, _, meta = load_checkpoint_model(ckpt, cfg)
-    _finish(model, meta["config"], _tmp_dir(Path(out)), Path(out), dtype)
+    _finish(model, source_folder(model), _tmp_dir(Path(out)), Path(out), dtype)
     params = list(model.parameters())
     return {"step": meta["step"], "ep": meta.get("ep", 1), "world": meta.get("world", 1), "tensors": len(params),
             "bytes": sum(p.numel() * p.element_size() for p in params), "seconds": time.perf_counter() - t0}
@@ -177,7 +186,7 @@ def write_hf_folder(trainer, out_dir: str | Path, dtype: "torch.dtype | None" = 
             params[name].data = full.detach().to("cpu", params[name].dtype, copy=True)
     if rank == 0:
         model.tie_weights()
-        _finish(model, trainer.cfg, _tmp_dir(out), out, dtype)
+        _finish(model, source_folder(trainer.model), _tmp_dir(out), out, dtype)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     return out if rank == 0 else None

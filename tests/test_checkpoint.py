@@ -150,7 +150,7 @@ def _assert_same(a: dict, b: dict):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_checkpoint_written_with_ep2_loads_with_ep1_in_one_process(tmp_path):
     saved = spawn_gloo(_save_after_two_steps, 2, str(tmp_path), 2, timeout_s=240)
     _assert_same(saved[0], saved[1])
@@ -159,10 +159,10 @@ def test_checkpoint_written_with_ep2_loads_with_ep1_in_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_checkpoint_written_with_ep1_resumes_with_ep2(tmp_path):
-    saved = spawn_gloo(_save_after_two_steps, 2, str(tmp_path), 1, timeout_s=240)[0]
-    for loaded in spawn_gloo(_load_latest, 2, str(tmp_path), 2, timeout_s=240):
+    saved = spawn_gloo(_save_after_two_steps, 2, str(tmp_path), 1, timeout_s=400)[0]
+    for loaded in spawn_gloo(_load_latest, 2, str(tmp_path), 2, timeout_s=400):
         _assert_same(saved, loaded)
 
 
