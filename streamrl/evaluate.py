@@ -143,22 +143,22 @@ def read_eval_summary(run_dir: str | Path) -> dict | None:
 
 
 def load_for_eval(cfg: Config, checkpoint: str | None, device: str = "cpu"):
-    """(model, tokenizer): the configured model on ``device``, or the learner checkpoint's weights
-    (then on the learner's device, ``learner.device``)."""
+    """(model, tokenizer) on ``device``: the configured model, or a learner checkpoint's weights
+    (read in this one process whatever the learner's world size and ``ep``)."""
     if not checkpoint:
         from streamrl.models.factory import load_model_and_tokenizer
 
         model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
         return model.to(device), tok
-    from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
-    from streamrl.learner.trainer import Trainer
+    from streamrl.export import load_checkpoint_model
+    from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint
 
     path = latest_checkpoint(checkpoint_dir(cfg)) if checkpoint == "latest" else Path(checkpoint)
     if path is None:
         raise ValueError(f"--checkpoint latest: no checkpoint under {checkpoint_dir(cfg)}")
-    trainer = Trainer(cfg)
-    load_checkpoint(path, trainer)
-    return trainer.model, trainer.tokenizer
+    # one process, any learner world size and ep: DCP reads the checkpoint's global tensors
+    model, tok, _ = load_checkpoint_model(path, cfg)
+    return model.to(device), tok
 
 
 def main(argv=None) -> int:

@@ -35,8 +35,8 @@ from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.metrics import RateLimitedRedisSink
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.rewards import build_reward, response_texts, token_rewards
-from streamrl.tasks import get_task
-from streamrl.tasks.sources import prompt_source
+from streamrl.tasks import build_task
+from streamrl.tasks.sources import build_prompt_source
 from streamrl.trajectory import make_id, pack_trajectories
 from streamrl.transport.channel import TrajectorySender
 from streamrl.utils import limit_threads, setup_logging
@@ -70,7 +70,7 @@ class BatchRoller:
     def __init__(self, cfg: Config, engine, tok, problems, worker_id: int = 0, next_id=None):
         self.cfg, self.engine, self.tok, self.problems, self.wid = cfg, engine, tok, problems, worker_id
         self.encode = PromptEncoder(tok, cfg.rollout.chat_template)
-        self.task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
+        self.task = build_task(cfg.task)
         rc = cfg.rollout
         self.reward = build_reward(rc.rewards, self.task, rc.reward_model, rc.reward_model_device)
         self._counter = 0
@@ -173,8 +173,8 @@ class RolloutWorker:
 
             ref_model = model if cfg.rollout.engine not in ("hf", "hf_fast") else load_model_and_tokenizer(cfg.model, cfg.run.seed)[0]
             self.reference = HFEngine(ref_model, self.tok)
-        task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
-        problems = prompt_source(task, cfg.rollout.prompt_file, cfg.run.seed * 7919 + self.incarnation,
+        task = build_task(cfg.task)
+        problems = build_prompt_source(cfg, task, cfg.run.seed * 7919 + self.incarnation,
                                  self.wid, max(args.num_workers, self.wid + 1))
         self.roller = BatchRoller(cfg, self.engine, self.tok, problems, self.wid, self._next_id)
         self.probes = (probe_set(task, self.roller.encode, cfg.rollout.parity_probes, cfg.run.seed)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from streamrl.export import write_step_folder
 from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, load_extra, save_checkpoint
 
 log = logging.getLogger(__name__)
@@ -65,17 +66,22 @@ class Checkpointer:
         self.last_saved: int | None = None
 
     def maybe_save(self, step: int) -> Path | None:
-        """Save when ``step`` is on the ``checkpoint.save_interval`` grid (call after each step's
-        bookkeeping, so the saved counters include it)."""
+        """Save when ``step`` is on the ``checkpoint.save_interval`` grid, and write an HF folder on the
+        ``checkpoint.hf_interval`` grid (call after each step's bookkeeping, so the saved counters
+        include it)."""
+        if self.cfg.hf_interval and step % self.cfg.hf_interval == 0:
+            write_step_folder(self.trainer, step)
         if self.cfg.save_interval and step % self.cfg.save_interval == 0:
             return self.save(step)
         return None
 
     def save_on_stop(self, step: int) -> Path | None:
         """The final save of a clean stop (``checkpoint.save_on_stop``), unless ``step`` is saved."""
-        if self.cfg.save_on_stop and step > 0 and self.last_saved != step:
-            return self.save(step)
-        return None
+        if not self.cfg.save_on_stop or step == 0:
+            return None
+        if not (self.cfg.hf_interval and step % self.cfg.hf_interval == 0):  # else maybe_save wrote it
+            write_step_folder(self.trainer, step)  # the run's model out, next to its last DCP save
+        return self.save(step) if self.last_saved != step else None
 
     def save(self, step: int) -> Path:
         learner_state: dict[str, Any] = {}
