@@ -208,6 +208,18 @@ def test_bench_reports_ratio():
     assert res["ratio_vs_plain_generate"] > 0 and res["params_active"] < res["params_total"]
 
 
+def test_group_bench_shares_prefill_and_matches_generate(tiny):
+    from streamrl.bench.hf_fast import bench_groups
+
+    model, tok = tiny
+    eng = FastHFEngine(model, tok, batch_size=6, max_seq_len=40)
+    res = bench_groups(eng, _prompts(2, seed=8), group_size=3, new_tokens=6, repeats=1)
+    assert res["greedy_tokens_equal"] and res["greedy_sequences_equal"] == "6/6"
+    assert res["prompt_tokens_prefilled"] * 3 == res["prompt_tokens"]
+    assert res["fast_tok_s"] > 0 and res["plain_generate_tok_s"] > 0
+    assert eng.eos_id == tok.eos_token_id  # the bench put the engine's EOS back
+
+
 # ------------------------------------------------------------------------------------ GPU
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
