@@ -83,7 +83,7 @@ def test_decode_attention_accepts_the_cuda_kernels_output_layout(monkeypatch, ra
     with the query heads folded into the query axis that is what crashed SmolLM2 (``view`` on it)."""
     import torch.nn.functional as F
 
-    from streamrl.engines.hf_fast import _static_attention
+    from streamrl.engines.static_kv import static_attention
 
     sdpa = F.scaled_dot_product_attention
 
@@ -100,7 +100,7 @@ def test_decode_attention_accepts_the_cuda_kernels_output_layout(monkeypatch, ra
     mask[0, ..., 5:] = float("-inf")
     want = sdpa(query, key.repeat_interleave(ratio, 1), value.repeat_interleave(ratio, 1), attn_mask=mask)
     monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_like)
-    got, _ = _static_attention(None, query, key, value, mask, scaling=d ** -0.5)
+    got, _ = static_attention(None, query, key, value, mask, scaling=d ** -0.5)
     torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-5, rtol=0)  # [b, q, hq, d]
 
 

@@ -175,12 +175,49 @@ def test_shared_prompt_groups_equal_separate_prefills(tiny, temperature):
         assert len({tuple(t) for t in shared.tokens[:4]}) > 1  # the group's samples differ after the fork
 
 
+def test_per_request_caps_and_stop_strings(tiny):
+    """Caps per prompt and stop strings cut greedy responses exactly where they should; the
+    tokens and log-probs kept are those of the uncut run (cut rows free their slots early)."""
+    model, tok = tiny
+    prompts = _prompts(5, seed=7)
+    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=48, sync_every=3, eos_token_id=-1)
+    full = eng.generate(prompts, 20, 0.0)
+    caps = [3, 20, 1, 9, 14]
+    capped = eng.generate(prompts, 20, 0.0, max_tokens=caps)
+    assert [len(t) for t in capped.tokens] == caps
+    for c, f, n in zip(capped.tokens, full.tokens, caps):
+        assert c == f[:n]
+    text = tok.decode(full.tokens[1])
+    stop = text[11:13]  # a string response 1 reaches after ~12 tokens
+    cut = eng.generate(prompts, 20, 0.0, stop=[stop])
+    for c, lp, f, flp in zip(cut.tokens, cut.logprobs, full.tokens, full.logprobs):
+        n = next((k for k in range(1, len(f) + 1) if stop in tok.decode(f[:k])), len(f))
+        assert c == f[:n] and lp == pytest.approx(flp[:n], abs=1e-6)
+    assert len(cut.tokens[1]) <= 13
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.generate(prompts, 5, 0.0, max_tokens=[1, 2])
+    with pytest.raises(ValueError, match="stop"):
+        FastHFEngine(model, None, batch_size=2, max_seq_len=48).generate(prompts, 5, 0.0, stop=["x"])
+
+
 def test_bench_reports_ratio():
     from streamrl.bench.hf_fast import bench_fast_vs_generate
 
     res = bench_fast_vs_generate(batch=4, prompt_len=6, new_tokens=8)
     assert res["fast_tokens"] == res["generate_tokens"] == 4 * 8
     assert res["ratio_vs_plain_generate"] > 0 and res["params_active"] < res["params_total"]
+
+
+def test_group_bench_shares_prefill_and_matches_generate(tiny):
+    from streamrl.bench.hf_fast import bench_groups
+
+    model, tok = tiny
+    eng = FastHFEngine(model, tok, batch_size=6, max_seq_len=40)
+    res = bench_groups(eng, _prompts(2, seed=8), group_size=3, new_tokens=6, repeats=1)
+    assert res["greedy_tokens_equal"] and res["greedy_sequences_equal"] == "6/6"
+    assert res["prompt_tokens_prefilled"] * 3 == res["prompt_tokens"]
+    assert res["fast_tok_s"] > 0 and res["plain_generate_tok_s"] > 0
+    assert eng.eos_id == tok.eos_token_id  # the bench put the engine's EOS back
 
 
 # ------------------------------------------------------------------------------------ GPU

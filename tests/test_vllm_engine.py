@@ -137,3 +137,20 @@ def test_unknown_weight_name_raises(vllm_engine, tiny):
     with pytest.raises((KeyError, ValueError, AttributeError)):
         vllm_engine.load_weights(bad)
     vllm_engine.load_weights(model.named_parameters())
+
+
+def test_config_knobs_reach_vllm(tiny):
+    """rollout.enable_prefix_caching / enforce_eager / tensor_parallel_size arrive in vLLM's own config."""
+    from streamrl.config import load_config
+    from streamrl.engines.factory import build_engine
+
+    cfg = load_config(None, ["rollout.engine=vllm", f"model.path={tiny[2]}", "rollout.enable_prefix_caching=false",
+                             "rollout.kv_cache_mb=32", "rollout.max_model_len=128"])
+    engine = build_engine(cfg)
+    try:
+        vc = engine.llm.llm_engine.vllm_config
+        assert vc.cache_config.enable_prefix_caching is False
+        assert vc.model_config.enforce_eager is True and vc.parallel_config.tensor_parallel_size == 1
+        assert len(engine.generate(_prompts(tiny[1], 2), 4, 1.0).tokens) == 2
+    finally:
+        engine.close()

@@ -20,6 +20,9 @@ with its own loop:
   host sync of the loop), harvests finished slots and prefills new prompts into them.
 * **Shared prompts**: a refill runs each distinct prompt through the model once and copies its
   K/V rows into the slots of the other samples of its group (``share_prompts``).
+* **Per-request caps and stop strings**: ``generate(..., max_tokens=[...], stop=[...])``; caps
+  live on the device per slot, stop strings are searched on the host at each sync (only the
+  tokens decoded since the last one), and a cut row's slot is refilled like an EOS row's.
 * **Sampling on the device**: temperature (a device scalar, so no re-capture per call),
   top-k/top-p, Gumbel-max draw (``probs / Exp(1)`` argmax, capturable) and the log-prob of
   the drawn token under the distribution actually sampled from.
@@ -32,6 +35,7 @@ with its own loop:
   place (graphs stay valid) and stamps every later token; KV already in the cache is kept.
 
 On CPU the same loop runs eagerly; greedy decoding gives the same tokens as ``generate()``.
+The attention kernel, the cache and the sampler live in :mod:`streamrl.engines.static_kv`.
 """
 from __future__ import annotations
 
@@ -41,99 +45,9 @@ from collections import deque
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from streamrl.engines.base import BetweenSteps, Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
-
-_ATTN = "streamrl_static_kv"
-
-
-def _static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """SDPA over the static cache; query ``[B, Hq, q, D]``, key/value ``[B, Hkv, S, D]``,
-    attention_mask bool ``[B|1, 1, q, S]``; returns ``([B, q, Hq, D], None)`` like HF's kernels."""
-    b, hq, q, d = query.shape
-    hkv = key.shape[1]
-    groups = hq // hkv
-    if q == 1 and groups > 1:
-        # Decode: fold the query heads that share a KV head into the query axis, so the kernel
-        # reads each cached KV head once instead of a repeat_kv copy of the whole cache. Head
-        # h = kv * groups + g (repeat_kv's order). The kernels may return [b, hkv, groups, d]
-        # with any strides (CUDA's come back non-contiguous), so reshape, never view.
-        out = F.scaled_dot_product_attention(query.reshape(b, hkv, groups, d), key, value,
-                                             attn_mask=attention_mask, scale=scaling)
-        return out.reshape(b, 1, hq, d), None
-    else:
-        if groups > 1:
-            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(_ATTN, _static_attention)
-
-
-class StaticKVCache:
-    """Per-layer K/V ``[B, Hkv, S, D]``; HF attention calls :meth:`update` with the new keys.
-
-    Prefill mode writes ``key [n, Hkv, P, D]`` for slots ``rows`` at positions ``0..P-1`` and
-    returns the prompt's own K/V. Decode mode writes ``key [B, Hkv, 1, D]`` at ``pos[b]`` and
-    returns the first ``span`` positions of the cache (fixed shape per captured graph).
-    """
-
-    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.rows: torch.Tensor | None = None
-        self.pos: torch.Tensor | None = None
-        self.span = max_len
-        self.prefill = False
-
-    def fork(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
-        """Copy positions ``0..length-1`` of slots ``src`` [n] into slots ``dst`` [n] (a shared prefix)."""
-        for k, v in zip(self.k, self.v):
-            k[dst, :, :length] = k[src, :, :length]
-            v[dst, :, :length] = v[src, :, :length]
-
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        k, v = self.k[layer_idx], self.v[layer_idx]
-        if self.prefill:
-            p = key.shape[2]
-            k[self.rows, :, :p] = key
-            v[self.rows, :, :p] = value
-            return key, value
-        k[self.rows, :, self.pos] = key[:, :, 0]
-        v[self.rows, :, self.pos] = value[:, :, 0]
-        return k[:, :, : self.span], v[:, :, : self.span]
-
-
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: int = 0, top_p: float = 1.0):
-    """Draw one token per row on the device, no host sync.
-
-    logits: [n, V] float32; temperature: [1] device scalar, or None for greedy (argmax).
-    Returns ``(tokens [n] long, logprobs [n] float32)``: log-prob of each token under the
-    distribution it was drawn from (tempered, then top-k/top-p truncated and renormalised;
-    untempered softmax for greedy).
-    """
-    if temperature is None:
-        logp = F.log_softmax(logits, dim=-1)
-        tok = logits.argmax(dim=-1)
-    else:
-        z = logits / temperature
-        if top_k > 0:
-            kth = z.topk(top_k, dim=-1).values[:, -1:]
-            z = z.masked_fill(z < kth, float("-inf"))
-        if top_p < 1.0:
-            sz, si = z.sort(dim=-1, descending=True)
-            probs = sz.softmax(dim=-1)
-            drop = (probs.cumsum(dim=-1) - probs) > top_p  # mass before a token; the top one stays
-            z = torch.empty_like(z).scatter_(-1, si, sz.masked_fill(drop, float("-inf")))
-        logp = F.log_softmax(z, dim=-1)
-        # Gumbel-max in exponential form: argmax p / E, E ~ Exp(1), is a draw from p.
-        tok = (logp.exp() / torch.empty_like(logp).exponential_()).argmax(dim=-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
+from streamrl.engines.static_kv import ATTN, StaticKVCache, sample_tokens
 
 def _routers(model) -> list[torch.nn.Module]:
     """MoE routers in layer order (transformers 5 top-k routers return ``(logits, weights, ids)``)."""
@@ -182,6 +96,7 @@ class FastHFEngine:
         if self.eos_id is None:
             self.eos_id = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else -1
         self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+        self.tokenizer = tokenizer  # decodes responses for stop strings
         base = model.model
         self.embed, self.rotary, self.layers, self.norm = base.embed_tokens, base.rotary_emb, base.layers, base.norm
         self.lm_head = model.lm_head
@@ -209,7 +124,7 @@ class FastHFEngine:
         self.gen = torch.zeros(b, dtype=torch.long, device=dev)      # tokens drawn so far
         self.done = torch.ones(b, dtype=torch.bool, device=dev)
         self.temp = torch.ones(1, dtype=torch.float32, device=dev)
-        self.max_new = torch.ones(1, dtype=torch.long, device=dev)
+        self.max_new = torch.ones(b, dtype=torch.long, device=dev)   # response cap of each slot
         self.out_tok = torch.zeros(b, s + 1, dtype=torch.long, device=dev)  # column s: trash for idle rows
         self.out_lp = torch.zeros(b, s + 1, dtype=torch.float32, device=dev)
         self.rows = torch.arange(b, device=dev)
@@ -238,7 +153,7 @@ class FastHFEngine:
         """Switch the model to the static-cache attention (and grouped experts) inside the engine only."""
         cfg = self.model.config
         old_attn, old_exp = cfg._attn_implementation, getattr(cfg, "_experts_implementation", None)
-        cfg._attn_implementation = _ATTN
+        cfg._attn_implementation = ATTN
         if self.experts_impl is not None and old_exp is not None:
             cfg._experts_implementation = self.experts_impl
         try:
@@ -303,7 +218,7 @@ class FastHFEngine:
         self.out_tok[all_rows, 0], self.out_lp[all_rows, 0] = tok, lp
         self.tok[all_rows], self.pos[all_rows] = tok, lens
         self.gen[all_rows] = 1
-        self.done[all_rows] = (tok == self.eos_id) | (self.max_new <= 1)
+        self.done[all_rows] = (tok == self.eos_id) | (self.max_new[all_rows] <= 1)
 
     def _decode(self, span: int, greedy: bool) -> None:
         """One step for all ``B`` slots; device ops on persistent buffers only (captured as is)."""
@@ -374,15 +289,25 @@ class FastHFEngine:
     # ----------------------------------------------------------------------------- interface
     @torch.inference_mode()  # cheaper per op than no_grad (no version counters): the CPU loop is op-bound
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
-                 between_steps: BetweenSteps | None = None, version: int = 0) -> Generation:
+                 between_steps: BetweenSteps | None = None, version: int = 0,
+                 max_tokens: list[int] | None = None, stop: list[str] | None = None) -> Generation:
         """Sample one response per prompt; ``temperature == 0`` is greedy. Slots refill as rows finish.
 
         ``between_steps`` (in-flight updates, see :data:`streamrl.engines.base.BetweenSteps`) is
         called before the first prefill and before every decode step; tokens are stamped with
         ``version`` until it returns an update, then with the update's version (``versions``).
+        ``max_tokens[i]`` (optional): a smaller response cap for prompt ``i``. ``stop``
+        (optional): strings that end a response like EOS does; the response keeps the token
+        that completes one. They are checked when the loop syncs (every ``sync_every`` steps),
+        so a row may decode a few tokens past its stop before it is cut and its slot refilled.
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
+        if max_tokens is not None and (len(max_tokens) != len(prompts) or min(max_tokens, default=1) < 1):
+            raise ValueError(f"max_tokens: need one cap >= 1 per prompt ({len(prompts)}), got {max_tokens!r}")
+        if stop and (self.tokenizer is None or not all(isinstance(x, str) and x for x in stop)):
+            raise ValueError(f"stop = {stop!r}: needs non-empty strings and an engine built with a tokenizer")
+        caps = [min(max_new_tokens, max_tokens[j]) if max_tokens else max_new_tokens for j in range(len(prompts))]
         if temperature < 0:
             raise ValueError(f"temperature = {temperature}: must be >= 0 (0 = greedy)")
         for i, q in enumerate(prompts):
@@ -391,12 +316,13 @@ class FastHFEngine:
                                  f"must be in [1, max_seq_len={self.max_len}]")
         greedy = temperature == 0
         self.temp.fill_(1.0 if greedy else float(temperature))
-        self.max_new.fill_(max_new_tokens)
         self.done.fill_(True)
         queue = deque(range(len(prompts)))
         owner = [-1] * self.batch            # prompt index held by each slot
         host_pos = [0] * self.batch          # upper bound of each slot's position
         host_gen = [0] * self.batch
+        cap = [0] * self.batch               # response cap of each slot's prompt
+        checked = [0] * self.batch           # response tokens already searched for stop strings
         out_t: list = [None] * len(prompts)
         out_l: list = [None] * len(prompts)
         out_r: list = [None] * len(prompts)
@@ -417,9 +343,11 @@ class FastHFEngine:
             for i in range(0, len(take), self.batch):
                 chunk = take[i:i + self.batch]
                 slots = free[i:i + len(chunk)]
+                self.max_new[torch.tensor(slots, device=self.device)] = torch.tensor(
+                    [caps[j] for j in chunk], device=self.device)
                 self._prefill(slots, [prompts[j] for j in chunk], greedy)
                 for s, j in zip(slots, chunk):
-                    owner[s], host_pos[s], host_gen[s] = j, len(prompts[j]), 1
+                    owner[s], host_pos[s], host_gen[s], cap[s], checked[s] = j, len(prompts[j]), 1, caps[j], 0
                     if slot_v is not None:
                         slot_v[s] = [current[0]]
 
@@ -443,7 +371,7 @@ class FastHFEngine:
             fill(list(range(self.batch)))
             steps = 0
             while any(o >= 0 for o in owner):
-                live = [s for s in range(self.batch) if owner[s] >= 0 and host_gen[s] < max_new_tokens]
+                live = [s for s in range(self.batch) if owner[s] >= 0 and host_gen[s] < cap[s]]
                 if live:
                     poll()
                     top = max(host_pos[s] for s in live) + 1
@@ -457,7 +385,9 @@ class FastHFEngine:
                         host_gen[s] += 1
                         if slot_v is not None:
                             slot_v[s].append(current[0])
-                if not live or steps % self.sync_every == 0 or all(host_gen[s] >= max_new_tokens for s in live):
+                if not live or steps % self.sync_every == 0 or all(host_gen[s] >= cap[s] for s in live):
+                    if stop:
+                        self._cut_at_stop([s for s in range(self.batch) if owner[s] >= 0], stop, checked)
                     done = self.done.cpu().tolist()  # the loop's one host sync, every sync_every steps
                     finished = [s for s in range(self.batch) if owner[s] >= 0 and done[s]]
                     if finished:
@@ -465,6 +395,38 @@ class FastHFEngine:
                         fill(finished)
         return Generation(tokens=out_t, logprobs=out_l, routed_experts=out_r if self.routers else None,
                           versions=out_v if slot_v is not None else None)
+
+    def _cut_at_stop(self, slots: list[int], stop: list[str], checked: list[int]) -> None:
+        """End the responses in ``slots`` that now contain a stop string after the token completing it.
+
+        Only the tokens since the last check (plus a window as long as the longest stop string,
+        so a stop split across checks is found) are decoded; a cut row is marked done on the
+        device with ``gen`` set to its cut length, so the harvest keeps exactly those tokens.
+        """
+        if not slots:
+            return
+        idx = torch.tensor(slots, device=self.device)
+        gen = self.gen[idx].cpu().tolist()
+        window = max(len(x) for x in stop)
+        lo = min(max(0, checked[s] - window) for s in slots)
+        hi = max(gen)
+        toks = self.out_tok[idx, lo:hi].cpu().tolist()
+        cut_rows, cut_lens = [], []
+        for r, s in enumerate(slots):
+            start = max(0, checked[s] - window)
+            row = toks[r][start - lo: gen[r] - lo]
+            checked[s] = gen[r]
+            if not any(x in self.tokenizer.decode(row) for x in stop):
+                continue
+            for n in range(1, len(row) + 1):  # shortest prefix that completes a stop string
+                if any(x in self.tokenizer.decode(row[:n]) for x in stop):
+                    cut_rows.append(s)
+                    cut_lens.append(start + n)
+                    break
+        if cut_rows:
+            rows = torch.tensor(cut_rows, device=self.device)
+            self.gen[rows] = torch.tensor(cut_lens, device=self.device)
+            self.done[rows] = True
 
     def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
         """Teacher-forced log-probs (temperature 1) of ``seq[start:]``; one eager forward."""

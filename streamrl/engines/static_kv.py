@@ -1,0 +1,103 @@
+"""Static-cache pieces of the fast transformers engine: attention kernel, KV cache, sampler.
+
+* :func:`static_attention` is registered with transformers as ``streamrl_static_kv``; decoder
+  layers call it with the K/V that :class:`StaticKVCache` returns (grouped-query heads folded
+  into the query axis at decode, so each cached KV head is read once).
+* :class:`StaticKVCache`: per-layer ``[B, Hkv, S, D]`` slots written in place (prefill, decode,
+  and forks of a shared prompt's rows).
+* :func:`sample_tokens`: the device-side draw and its behaviour log-prob (no host sync).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN = "streamrl_static_kv"
+"""Name of the attention kernel registered with transformers (selected inside the engine only)."""
+
+
+def static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA over the static cache; query ``[B, Hq, q, D]``, key/value ``[B, Hkv, S, D]``,
+    attention_mask bool ``[B|1, 1, q, S]``; returns ``([B, q, Hq, D], None)`` like HF's kernels."""
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    groups = hq // hkv
+    if q == 1 and groups > 1:
+        # Decode: fold the query heads that share a KV head into the query axis, so the kernel
+        # reads each cached KV head once instead of a repeat_kv copy of the whole cache. Head
+        # h = kv * groups + g (repeat_kv's order). The kernels may return [b, hkv, groups, d]
+        # with any strides (CUDA's come back non-contiguous), so reshape, never view.
+        out = F.scaled_dot_product_attention(query.reshape(b, hkv, groups, d), key, value,
+                                             attn_mask=attention_mask, scale=scaling)
+        return out.reshape(b, 1, hq, d), None
+    else:
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN, static_attention)
+
+
+class StaticKVCache:
+    """Per-layer K/V ``[B, Hkv, S, D]``; HF attention calls :meth:`update` with the new keys.
+
+    Prefill mode writes ``key [n, Hkv, P, D]`` for slots ``rows`` at positions ``0..P-1`` and
+    returns the prompt's own K/V. Decode mode writes ``key [B, Hkv, 1, D]`` at ``pos[b]`` and
+    returns the first ``span`` positions of the cache (fixed shape per captured graph).
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.rows: torch.Tensor | None = None
+        self.pos: torch.Tensor | None = None
+        self.span = max_len
+        self.prefill = False
+
+    def fork(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Copy positions ``0..length-1`` of slots ``src`` [n] into slots ``dst`` [n] (a shared prefix)."""
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        if self.prefill:
+            p = key.shape[2]
+            k[self.rows, :, :p] = key
+            v[self.rows, :, :p] = value
+            return key, value
+        k[self.rows, :, self.pos] = key[:, :, 0]
+        v[self.rows, :, self.pos] = value[:, :, 0]
+        return k[:, :, : self.span], v[:, :, : self.span]
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: int = 0, top_p: float = 1.0):
+    """Draw one token per row on the device, no host sync.
+
+    logits: [n, V] float32; temperature: [1] device scalar, or None for greedy (argmax).
+    Returns ``(tokens [n] long, logprobs [n] float32)``: log-prob of each token under the
+    distribution it was drawn from (tempered, then top-k/top-p truncated and renormalised;
+    untempered softmax for greedy).
+    """
+    if temperature is None:
+        logp = F.log_softmax(logits, dim=-1)
+        tok = logits.argmax(dim=-1)
+    else:
+        z = logits / temperature
+        if top_k > 0:
+            kth = z.topk(top_k, dim=-1).values[:, -1:]
+            z = z.masked_fill(z < kth, float("-inf"))
+        if top_p < 1.0:
+            sz, si = z.sort(dim=-1, descending=True)
+            probs = sz.softmax(dim=-1)
+            drop = (probs.cumsum(dim=-1) - probs) > top_p  # mass before a token; the top one stays
+            z = torch.empty_like(z).scatter_(-1, si, sz.masked_fill(drop, float("-inf")))
+        logp = F.log_softmax(z, dim=-1)
+        # Gumbel-max in exponential form: argmax p / E, E ~ Exp(1), is a draw from p.
+        tok = (logp.exp() / torch.empty_like(logp).exponential_()).argmax(dim=-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
