@@ -28,8 +28,8 @@ $(STAMP): pyproject.toml Makefile
 	-$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null
 	@touch $(STAMP)
 
-# The tiny copy task, 2 learner ranks + 2 rollout workers: reward ~0.01 -> >= 0.95 (exact copies
-# score 1) in 300 steps, about 2 minutes on 2 cores. Make prints the command it runs.
+# The tiny copy task, 2 learner ranks + 2 rollout workers: reward ~0.02 -> >= 0.99 (exact copies
+# score 1) in 300 steps, about 2 minutes on a quiet 2-core machine. Make prints the command it runs.
 demo: setup
 	$(BIN)/streamrl-launch --config configs/tiny.yaml --learners 2 --rollers 2 --steps 300 --run-dir runs/demo
 
