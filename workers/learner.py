@@ -31,7 +31,7 @@ from streamrl.learner.checkpointer import Checkpointer, RunProgress
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.intake import Intake
 from streamrl.learner.trainer import Trainer
-from streamrl.metrics import JsonlSink, MultiSink, RateLimitedRedisSink, tensorboard_sink
+from streamrl.metrics import RateLimitedRedisSink, run_sinks
 from streamrl.transport.channel import TrajectoryReceiver
 from streamrl.transport.codec import Limits
 from streamrl.utils import die_with_parent_if_launched, limit_threads, seed_everything, setup_logging
@@ -70,14 +70,17 @@ def main(argv=None) -> int:
     publish(trainer, publisher, run.version)
     if rank == 0:
         intake.start(run.version)
-    status = "completed"
+    status, clean = "completed", True
     try:
         while run.step < cfg.run.steps:
             t_wait = time.perf_counter()
             batch = intake.next_batch(run.version) if rank == 0 else None
             idle = time.perf_counter() - t_wait
             if broadcast_flag(int(rank == 0 and batch is None)):
-                status = "stopped: " + (coord.stop_reason() or "starved")
+                reason = coord.stop_reason()
+                # a stop on request (Ctrl-C, the launcher) is a clean exit: every rank exits 0, so
+                # torchrun does not kill rank 0 while it writes summary.json; starving is not
+                status, clean = "stopped: " + (reason or "starved"), reason is not None
                 break
             batch = broadcast_batch(batch)
             t_step = time.perf_counter()
@@ -91,14 +94,14 @@ def main(argv=None) -> int:
             ckpt.maybe_save(run.step)  # after the bookkeeping above, so the saved counters include this step
         ckpt.save_on_stop(run.step)  # clean stop (steps done or stop requested): every rank is here
     except Exception:
-        status = "failed"
+        status, clean = "failed", False
         raise
     finally:
         if rank == 0:
             report.finish(run, status, resumed_step)
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0 if status == "completed" else 1
+    return 0 if clean else 1
 
 
 def _setup(args):
@@ -178,7 +181,7 @@ class Reporter:
     def __init__(self, cfg, coord, intake: Intake, publisher):
         self.cfg, self.coord, self.intake, self.publisher = cfg, coord, intake, publisher
         self.run_dir = Path(cfg.run.run_dir)
-        self.sink = MultiSink(JsonlSink(self.run_dir / "metrics.jsonl"), tensorboard_sink(self.run_dir / "tb"))
+        self.sink = run_sinks(cfg, self.run_dir)
         self.redis_sink = RateLimitedRedisSink(coord, "learner")
         self.t_start = time.time()
         self.idle_total = 0.0
