@@ -71,7 +71,7 @@ class RunState:
     def reset_for_learner_restart(self, keep_progress: bool) -> int:
         """Before a learner restart: clear the stop flag; without ``keep_progress`` (no --resume)
         also the weights version, capacity and acks, so the fresh learner starts from version 0."""
-        keep = {self.coord.keys.config, self.prefix + "launch:", self.prefix + "incarnation:"}
+        keep = {self.coord.keys.config, self.prefix + "launch:", self.coord.keys.incarnation("")}
         if keep_progress:
             self.r.delete(self.coord.keys.stop)
             return 1

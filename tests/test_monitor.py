@@ -67,7 +67,7 @@ def simulated(redis_url, run_id):
     coord = Coordinator(redis_url, run_id)
     coord.put_config({"run": {"name": "sim"}})
     for w in (0, 1):
-        coord.r.set(f"streamrl:{run_id}:incarnation:{w}", 1)
+        coord.r.set(coord.keys.incarnation(w), 1)
     t0 = time.time()
     _simulate(coord, 20)
     yield coord, time.time() - t0
@@ -115,7 +115,7 @@ def test_worker_status_stale_restarting_dead(simulated, redis_url, run_id):
     source = RunSource(redis_url, run_id)
     take_snapshot(source, builder)  # remembers incarnation 1 of both workers
     # worker 0: a new process registered (incarnation 2) but has not heartbeated yet
-    coord.r.incr(f"streamrl:{run_id}:incarnation:0")
+    coord.r.incr(coord.keys.incarnation(0))
     # worker 1: heartbeat expired (TTL gone)
     coord.r.delete(coord.keys.heartbeat(1))
     coord.heartbeat(2, {"host": "h", "device": "cpu", "version": 3, "state": "running", "incarnation": 1})
@@ -217,7 +217,7 @@ def simulated_vtrace(redis_url, run_id):
     coord = Coordinator(redis_url, run_id)
     coord.put_config({"run": {"name": "sim"}, "learner": {"loss": "vtrace", "advantage": "token"}})
     for w in (0, 1):
-        coord.r.set(f"streamrl:{run_id}:incarnation:{w}", 1)
+        coord.r.set(coord.keys.incarnation(w), 1)
     _simulate(coord, 20, learner_extra=_critic_metrics,
               worker_extra=lambda w, s: {"rollout/inflight_loads": float(w * (s // 4))})
     yield coord

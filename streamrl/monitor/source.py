@@ -132,7 +132,7 @@ class RunSource:
         pipe.smembers(k.processes)
         for w in ids:
             pipe.get(k.heartbeat(w))
-            pipe.get(f"streamrl:{self.run_id}:incarnation:{w}")
+            pipe.get(k.incarnation(w))
         res = pipe.execute()
         version = int(res[0]) if res[0] is not None else -1
         stop, procs = res[1], sorted(res[2])
