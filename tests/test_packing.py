@@ -215,3 +215,28 @@ def test_activation_checkpointing_with_fsdp_and_ep():
     for plain, ac in spawn_gloo(_grads_with_and_without_checkpointing, 2, 2, extra, timeout_s=300):
         for k, v in plain["g"].items():
             assert torch.allclose(ac["g"][k], v, atol=1e-7, rtol=1e-5), k
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
+def test_transformers_builds_the_packed_mask_from_position_ids(arch):
+    """The models the learner trains (SmolLM2 = Llama, the upcycled Mixtral, Qwen3-MoE), sdpa:
+    two sequences in one row with restarting position ids give each sequence's own logits.
+    Only without a KV cache: with ``use_cache`` on (the eval default) transformers skips the
+    packed-sequence detection and sequences attend across, so the learner passes
+    ``use_cache=False``."""
+    import transformers as hf
+
+    kw = dict(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=32, attn_implementation="sdpa")
+    cfg = {"llama": lambda: hf.LlamaConfig(**kw),
+           "mixtral": lambda: hf.MixtralConfig(**kw, num_local_experts=4, num_experts_per_tok=2),
+           "qwen3_moe": lambda: hf.Qwen3MoeConfig(**kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+           }[arch]()
+    torch.manual_seed(0)
+    model = hf.AutoModelForCausalLM.from_config(cfg).eval()
+    a, b = torch.randint(0, 50, (1, 7)), torch.randint(0, 50, (1, 5))
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat([a, b], 1), use_cache=False,
+                       position_ids=torch.cat([torch.arange(7), torch.arange(5)])[None]).logits
+        sep = torch.cat([model(input_ids=a).logits, model(input_ids=b).logits], 1)
+    assert torch.allclose(packed, sep, atol=1e-5)
