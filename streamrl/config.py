@@ -300,6 +300,8 @@ class LearnerConfig:
     """GSPO clip epsilon below 1 (sequence ratios are geometric means: tiny epsilons)."""
     gspo_clip_high: float = 4e-4
     """GSPO clip epsilon above 1."""
+    skip_no_signal: bool = True
+    """Skip the optimizer step of a batch whose advantages are all 0 (every group's rewards alike)."""
     minibatches: int = 1
     """Optimizer steps per batch; > 1 makes the proximal policy differ from the current one."""
     kl_coef: float = 0.0

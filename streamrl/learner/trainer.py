@@ -137,6 +137,20 @@ class Trainer:
         lc = self.cfg.learner
         grid, adv, mbs, plans = self._prepare(batch)
         n_all = num_trajectories(batch)
+        mask = grid.loss_mask
+        base = {
+            "learner/reward_mean": float(batch["reward"].mean()),
+            "learner/advantage_abs_mean": (float(adv.abs().mean()) if adv.ndim == 1 else
+                                           float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))),
+            "learner/trained_tokens": float(mask.sum()),
+            "learner/trajectories": float(n_all),
+        }
+        if self._no_signal(adv):
+            # Every group's rewards alike: no policy-gradient signal. An AdamW step here would
+            # only scale the router/entropy terms' tiny gradients up to full-size moves (and let
+            # its second moment decay), which is what tipped converged tiny runs over after ~100
+            # such steps. Same batch on every rank, so every rank skips together.
+            return {**base, "learner/skipped_no_signal": 1.0, "learner/compute_s": time.perf_counter() - t0}
         self.model.train()
         # The proximal policy: the weights before this batch's first update.
         prox_all = None
@@ -148,19 +162,16 @@ class Trainer:
             m = self.train_minibatch(batch, grid, adv, mb, plans[j], None if prox_all is None else prox_all[j])
             for k, v in m.items():
                 agg[k] = agg.get(k, 0.0) + v / len(mbs)
-        mask = grid.loss_mask
-        metrics = {
-            **agg,
-            "learner/reward_mean": float(batch["reward"].mean()),
-            "learner/advantage_abs_mean": (float(adv.abs().mean()) if adv.ndim == 1 else
-                                           float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))),
-            "learner/trained_tokens": float(mask.sum()),
-            "learner/trajectories": float(n_all),
-            "learner/compute_s": time.perf_counter() - t0,
-        }
+        metrics = {**agg, **base, "learner/skipped_no_signal": 0.0, "learner/compute_s": time.perf_counter() - t0}
         if self.blocks:
             metrics["moe/router_frozen"] = float(self.router.frozen)
         return metrics
+
+    def _no_signal(self, adv: torch.Tensor) -> bool:
+        """True when ``learner.skip_no_signal`` applies and every advantage is exactly 0
+        (``adv``: [N] or [N, R]). The V-trace critic and a KL penalty train without it."""
+        lc = self.cfg.learner
+        return bool(lc.skip_no_signal and not self.critic and lc.kl_coef == 0 and not adv.any())
 
     def _prepare(self, batch: TensorDict):
         """(response grid, advantages, minibatches as trajectory lists, each one's micro-batch plan)."""
