@@ -265,3 +265,30 @@ def test_reward_process_serves_two_clients_and_survives_malformed_frames(reward_
         rogue.close(0), ctx.term(), a.close(), b.close()
     coord.request_stop("test done")
     assert proc.wait(30) == 0
+
+
+def test_launcher_starts_the_reward_role_where_placed(redis_url, run_id, repo, rm_folder):
+    """``--place reward=cpu`` with ``rollout.reward_model`` set: the launcher's process list has a
+    supervised ``reward`` process whose command the real entry point parses; without the model
+    (or without the placement) there is none."""
+    from streamrl.coord.coordinator import Coordinator
+    from streamrl.launcher import launch, runner
+    from streamrl.launcher.runstate import RunState
+    from streamrl.workers import reward_server
+
+    def processes(*extra):
+        args = launch.parse_args(["--config", str(repo / "configs/tiny.yaml"), "--run-id", run_id, *extra])
+        lc = launch.prepare(args)
+        coord = Coordinator(redis_url, run_id)
+        try:
+            return runner._processes(lc, redis_url, RunState(coord, run_id))[1]
+        finally:
+            coord.close()
+
+    placed = [p for p in processes("--place", "reward=cpu", f"rollout.reward_model={rm_folder}") if p.name == "reward"]
+    assert len(placed) == 1
+    cmd = placed[0].cmd
+    args = reward_server.parse_args(cmd[cmd.index("streamrl.workers.reward_server") + 1:])
+    assert (args.redis_url, args.run_id, args.device) == (redis_url, run_id, "cpu")
+    assert not [p for p in processes("--place", "reward=cpu") if p.name == "reward"]
+    assert not [p for p in processes(f"rollout.reward_model={rm_folder}") if p.name == "reward"]
