@@ -10,7 +10,8 @@ then ``package.module:function`` imported on first use. An optional *reward mode
 (``rollout.reward_model``) is a callable ``(prompts: list[str], responses: list[str]) ->
 list[float]`` scored batch-wise, weighted by ``reward_model_weight``; it is either an HF folder
 (sequence-classification or causal LM, :mod:`streamrl.roles.reward_model`) or a hook
-``package.module:factory`` called once as ``factory(device)``. When the reward-model role runs
+``package.module:factory`` called once as ``factory(device)``; its weight can sit in the spec
+next to the rule rewards: ``"exact_answer=1.0,reward_model=0.5"``. When the reward-model role runs
 as its own process (``placement.reward``), pass its endpoint and the worker scores through a
 :class:`~streamrl.roles.reward_client.RewardClient` instead of loading the model itself.
 
@@ -223,6 +224,11 @@ def build_reward(spec: str = "task", task=None, reward_model: str = "", reward_m
     ``reward_model`` here."""
     names, weights, fns, credit_fns = [], [], [], []
     for name, w in parse_reward_spec(spec):
+        if name == "reward_model":  # the model's weight given in the spec, next to the rule rewards'
+            if not reward_model:
+                raise RewardSpecError("rollout.rewards names 'reward_model' but rollout.reward_model is not set")
+            reward_model_weight = w
+            continue
         if name == "task":
             if task is None:
                 raise RewardSpecError("rollout.rewards names 'task' but no task was given")

@@ -86,13 +86,15 @@ def test_folder_kinds_score_in_process(rm, tmp_path):
 
 
 def test_build_reward_combines_folder_model_with_rule_rewards(rm_folder, rm):
-    fn = build_reward("format=0.5", reward_model=rm_folder, reward_model_weight=2.0)
+    fn = build_reward("format=0.5,reward_model=2.0", reward_model=rm_folder)
     problems = [Problem(p, "5") for p in PROMPTS]
     totals, comps = fn.score(problems, RESPONSES)
     expect = rm(PROMPTS, RESPONSES)
     assert [row[-1] for row in comps] == expect
     assert totals == pytest.approx([0.5 * row[0] + 2.0 * s for row, s in zip(comps, expect)])
     assert fn.names == ["format", "reward_model"]
+    with pytest.raises(ValueError, match="rollout.reward_model is not set"):
+        build_reward("format=0.5,reward_model=2.0")
 
 
 def test_wire_round_trip_and_rejections():
@@ -261,6 +263,10 @@ def test_reward_process_serves_two_clients_and_survives_malformed_frames(reward_
         assert m["reward/rejected_bad_header"] == 1 and m["reward/rejected_bad_texts"] == 1
         assert m["reward/pairs"] >= 3 + 2 + 5 + 3
         assert proc.poll() is None
+        # what a worker builds: the rule rewards plus the served model, weighted in the spec
+        spec, problems = "format=0.5,reward_model=2.0", [Problem(p, "5") for p in PROMPTS]
+        served = build_reward(spec, reward_model=rm.folder, reward_endpoint=resolve).score(problems, RESPONSES)
+        assert served == build_reward(spec, reward_model=rm.folder).score(problems, RESPONSES)
     finally:
         rogue.close(0), ctx.term(), a.close(), b.close()
     coord.request_stop("test done")

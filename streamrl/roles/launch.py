@@ -15,10 +15,15 @@ from streamrl.placement import parse_devices
 PROCESS_NAME = "reward"
 
 
+def reward_role_configured(cfg: Config) -> bool:
+    """Whether the reward model runs as its own process (workers then score through its client)."""
+    return bool(cfg.placement.reward and cfg.rollout.reward_model)
+
+
 def reward_role_device(cfg: Config, node_rank: int = 0) -> str | None:
     """The local device string (``cpu``, ``cuda:1``) the reward server runs on from this host
     (``node_rank``), or None when the role is not configured or is placed on another node."""
-    if not cfg.placement.reward or not cfg.rollout.reward_model:
+    if not reward_role_configured(cfg):
         return None
     first = parse_devices(cfg.placement.reward, "placement.reward")[0]
     if (first.node or 0) != node_rank:

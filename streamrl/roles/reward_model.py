@@ -50,7 +50,7 @@ class HFRewardModel:
         from transformers import (AutoModelForCausalLM,  # noqa: PLC0415 (heavy; only RM users pay)
                                   AutoModelForSequenceClassification, AutoTokenizer)
 
-        self.kind = reward_model_kind(folder)
+        self.folder, self.kind = folder, reward_model_kind(folder)
         self.device = torch.device(device)
         self.max_tokens = max_tokens
         self.tok = AutoTokenizer.from_pretrained(folder)
