@@ -298,3 +298,29 @@ def test_launcher_starts_the_reward_role_where_placed(redis_url, run_id, repo, r
     assert (args.redis_url, args.run_id, args.device) == (redis_url, run_id, "cpu")
     assert not [p for p in processes("--place", "reward=cpu") if p.name == "reward"]
     assert not [p for p in processes(f"rollout.reward_model={rm_folder}") if p.name == "reward"]
+
+
+@pytest.mark.slow
+def test_client_survives_sigkill_and_restart_of_the_reward_process(reward_process, rm, redis_url, run_id, python,
+                                                                   repo, tmp_path):
+    """SIGKILL the real server, start another (new port, republished): the same client, after
+    its timeout, reads the new endpoint and gets the in-process scores again."""
+    proc, coord = reward_process
+    client = RewardClient(lambda: coord.get_endpoint(ENDPOINT), timeout_s=2, attempts=60)
+    try:
+        assert client(PROMPTS, RESPONSES) == rm(PROMPTS, RESPONSES)
+        old = coord.get_endpoint(ENDPOINT)
+        proc.kill()
+        proc.wait(10)
+        coord.r.delete(coord.keys.endpoint(ENDPOINT))  # as after a restart: the old address is gone
+        with open(tmp_path / "reward2.log", "wb") as log:
+            second = subprocess.Popen([python, "-m", "streamrl.workers.reward_server", "--redis-url", redis_url,
+                                       "--run-id", run_id], cwd=repo, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            assert client(OTHER_PROMPTS, OTHER_RESPONSES) == rm(OTHER_PROMPTS, OTHER_RESPONSES)
+            assert client.endpoint != old and client.resends >= 1
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(30) == 0
+    finally:
+        client.close()

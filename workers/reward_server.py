@@ -52,6 +52,14 @@ def main(argv=None) -> int:
     rc = config_from_dict(stored).rollout
     if not rc.reward_model:
         raise ValueError("the reward-model role needs rollout.reward_model (an HF folder or package.module:factory)")
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)  # before the (long) model load: a stop then exits cleanly
+    signal.signal(signal.SIGINT, on_signal)
     device = args.device or rc.reward_model_device
     scorer = load_reward_model(rc.reward_model, device)
     server = RewardServer(scorer, f"tcp://{args.bind_host}:*", max_batch=args.max_batch)
@@ -60,12 +68,7 @@ def main(argv=None) -> int:
     coord.set_endpoint(ENDPOINT, endpoint)
     log.info("serving %s on %s at %s", rc.reward_model, device, endpoint)
 
-    stopping = False
     last_tick = 0.0
-
-    def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
 
     def tick():
         nonlocal stopping, last_tick
@@ -75,8 +78,6 @@ def main(argv=None) -> int:
             coord.put_metrics("reward", server.metrics())
             stopping = stopping or coord.stop_reason() is not None
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
         server.serve(lambda: stopping, tick)
     finally:

@@ -25,6 +25,7 @@ from streamrl.security import apply_client_keys, load_curve_keys
 from streamrl.transport.codec import FrameError
 
 log = logging.getLogger(__name__)
+RESOLVE_POLL_S = 0.2  # how often an unpublished endpoint is read again (a Redis GET)
 
 
 class RewardServerTimeout(TimeoutError):
@@ -77,11 +78,12 @@ class RewardClient:
 
     def _attempt(self, rid: int, frames: list, deadline: float) -> list[float] | None:
         """Send once and wait for the reply to ``rid`` until ``deadline``; None on timeout."""
-        if self.sock is None:
+        while self.sock is None:  # no endpoint published (yet): read it again until the deadline
             self._connect()
-        if self.sock is None:  # no endpoint published yet: wait as if the request were out
-            time.sleep(max(0.0, min(deadline - time.monotonic(), 0.2)))
-            return None
+            if self.sock is None:
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(RESOLVE_POLL_S)
         while not self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
             if time.monotonic() >= deadline:  # IMMEDIATE: not connected (yet)
                 return None
