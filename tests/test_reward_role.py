@@ -277,7 +277,6 @@ def test_launcher_starts_the_reward_role_where_placed(redis_url, run_id, repo, r
     """``--place reward=cpu`` with ``rollout.reward_model`` set: the launcher's process list has a
     supervised ``reward`` process whose command the real entry point parses; without the model
     (or without the placement) there is none."""
-    from streamrl.coord.coordinator import Coordinator
     from streamrl.launcher import launch, runner
     from streamrl.launcher.runstate import RunState
     from streamrl.workers import reward_server
