@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing as mp
 import resource
+import shutil
 import statistics
 import tempfile
 import threading
@@ -118,6 +119,8 @@ def main() -> None:
     done.set()
     served = report.get(timeout=60)
     child.join(30)
+    if args.classifier:
+        shutil.rmtree(folder, ignore_errors=True)  # the temp copy of the model
     print(json.dumps({
         "device": args.device, "kind": "classifier" if args.classifier else "causal", "batch": args.batch,
         "clients": args.clients, "iters": args.iters,
