@@ -201,7 +201,7 @@ class RolloutConfig:
     rewards: str = "task"
     """Reward spec 'name=weight,...': task, exact_answer, format or package.module:function."""
     reward_model: str = ""
-    """Optional reward-model hook 'package.module:factory'; factory(device) -> fn(prompts, responses)."""
+    """Optional reward model: an HF folder (sequence-classification or causal LM) or a hook 'package.module:factory'."""
     reward_model_device: str = "cpu"
     """Device handed to the reward-model factory (its own device)."""
     prompt_file: str = ""

@@ -94,7 +94,7 @@ def _import_callable(spec: str, field: str) -> str | None:
 
 
 def check_reward_plugins(cfg: Config) -> list[str]:
-    """Every ``package.module:function`` in ``rollout.rewards`` and ``rollout.reward_model``."""
+    """Every ``package.module:function`` in ``rollout.rewards`` and ``rollout.reward_model`` (or its HF folder)."""
     from streamrl.rewards import parse_reward_spec  # noqa: PLC0415 (spec already validated by load_config)
 
     problems = []
@@ -102,7 +102,15 @@ def check_reward_plugins(cfg: Config) -> list[str]:
         if ":" in name:
             problems.append(_import_callable(name, "rollout.rewards"))
     if cfg.rollout.reward_model:
-        problems.append(_import_callable(cfg.rollout.reward_model, "rollout.reward_model"))
+        from streamrl.roles.reward_model import is_reward_model_folder, reward_model_kind  # noqa: PLC0415
+
+        if is_reward_model_folder(cfg.rollout.reward_model):  # an HF reward-model folder: its kind must be known
+            try:
+                reward_model_kind(cfg.rollout.reward_model)
+            except ValueError as e:
+                problems.append(str(e))
+        else:
+            problems.append(_import_callable(cfg.rollout.reward_model, "rollout.reward_model"))
     return [p for p in problems if p]
 
 

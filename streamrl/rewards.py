@@ -6,10 +6,14 @@ problem reaches it in ``problem.fields``: the other columns of a dataset row
 ``exact_answer``, ``format``, ``math_verify`` (answer equivalence with math-verify). A *reward spec* (config
 ``rollout.rewards``) combines several with weights: ``"exact_answer=1.0,format=0.1"``.
 Names resolve in this order: the built-ins below (``task`` = the task's own reward),
-then ``package.module:function`` imported on first use. An optional *reward model* is a
-hook ``package.module:factory`` called once as ``factory(device)``; it returns a callable
-``(prompts: list[str], responses: list[str]) -> list[float]`` scored batch-wise, so a
-learned reward model can live on its own device.
+then ``package.module:function`` imported on first use. An optional *reward model*
+(``rollout.reward_model``) is a callable ``(prompts: list[str], responses: list[str]) ->
+list[float]`` scored batch-wise, weighted by ``reward_model_weight``; it is either an HF folder
+(sequence-classification or causal LM, :mod:`streamrl.roles.reward_model`) or a hook
+``package.module:factory`` called once as ``factory(device)``; its weight can sit in the spec
+next to the rule rewards: ``"exact_answer=1.0,reward_model=0.5"``. When the reward-model role runs
+as its own process (``placement.reward``), pass its endpoint and the worker scores through a
+:class:`~streamrl.roles.reward_client.RewardClient` instead of loading the model itself.
 
 Token-level credit (``rollout.token_rewards``): a reward function may carry credit per
 response character, ``token_credit(problem, response) -> list[float]`` summing to its score
@@ -196,11 +200,35 @@ class CombinedReward:
         return chars, terminal
 
 
+def load_reward_model(reward_model: str, device: str = "cpu",
+                      endpoint: str | Callable[[], str | None] | None = None) -> Callable[[list[str], list[str]], list[float]]:
+    """The batch reward model named by ``rollout.reward_model``: a client of the reward-model role
+    when ``endpoint`` is given (a string or a function reading it, e.g. from Redis), else the HF
+    folder loaded on ``device``, else the ``package.module:factory`` hook called with ``device``."""
+    if endpoint:
+        from streamrl.roles.reward_client import RewardClient  # noqa: PLC0415 (zmq: only RM users pay)
+
+        return RewardClient(endpoint)
+    from streamrl.roles.reward_model import HFRewardModel, is_reward_model_folder  # noqa: PLC0415
+
+    if is_reward_model_folder(reward_model):
+        return HFRewardModel(reward_model, device)
+    return _import(reward_model, "rollout.reward_model")(device)
+
+
 def build_reward(spec: str = "task", task=None, reward_model: str = "", reward_model_device: str = "cpu",
-                 reward_model_weight: float = 1.0) -> CombinedReward:
-    """Resolve a reward spec (see module doc); ``task`` is needed for the name ``task``."""
+                 reward_model_weight: float = 1.0,
+                 reward_endpoint: str | Callable[[], str | None] | None = None) -> CombinedReward:
+    """Resolve a reward spec (see module doc); ``task`` is needed for the name ``task``;
+    ``reward_endpoint`` (the reward-model role's, see :func:`load_reward_model`) replaces loading
+    ``reward_model`` here."""
     names, weights, fns, credit_fns = [], [], [], []
     for name, w in parse_reward_spec(spec):
+        if name == "reward_model":  # the model's weight given in the spec, next to the rule rewards'
+            if not reward_model:
+                raise RewardSpecError("rollout.rewards names 'reward_model' but rollout.reward_model is not set")
+            reward_model_weight = w
+            continue
         if name == "task":
             if task is None:
                 raise RewardSpecError("rollout.rewards names 'task' but no task was given")
@@ -218,7 +246,7 @@ def build_reward(spec: str = "task", task=None, reward_model: str = "", reward_m
         fns.append(fn)
     model = None
     if reward_model:
-        model = _import(reward_model, "rollout.reward_model")(reward_model_device)
+        model = load_reward_model(reward_model, reward_model_device, reward_endpoint)
         names.append("reward_model")
     return CombinedReward(names, weights, fns, model, reward_model_weight, credit_fns)
 
