@@ -1,0 +1,246 @@
+"""Multi-turn episodes with tools (issue 21): the calculator, tool-call parsing, bounded tools,
+and the episode driver on a real engine (tiny random model, character tokenizer, ``hf`` engine).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from streamrl.config import ModelConfig
+from streamrl.envs.base import FunctionEnv, StepResult
+from streamrl.envs.episode import EpisodeLimits, episode_metrics, episodes_to_trajectories, run_episodes
+from streamrl.envs.render import ChatTemplateRenderer, PlainTextRenderer
+from streamrl.envs.tool_env import ToolEnv
+from streamrl.envs.tools import (Calculator, CalculatorError, HermesToolParser, ToolCall, ToolRegistry, ToolRunner,
+                                 evaluate_arithmetic)
+from streamrl.trajectory import to_padded, validate_trajectories
+
+SMOL = os.path.join(os.path.dirname(__file__), "..", "models", "smol")
+TOOL_REPLY = "=42 "  # characters the char tokenizer knows
+
+
+# ---- calculator ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("expr,value", [("12+3*4", 24), ("(12+3)*4", 60), ("7//2", 3), ("7/2", 3.5), ("-5%3", 1),
+                                        ("123456789*987654321", 121932631112635269), ("1.5*2", 3.0)])
+def test_calculator_evaluates_arithmetic(expr, value):
+    assert evaluate_arithmetic(expr) == value
+
+
+@pytest.mark.parametrize("expr", ["__import__('os').system('true')", "x+1", "2**100000", "abs(-1)", "(lambda: 1)()",
+                                  "[1][0]", "1 if 1 else 2", "'a'*3", "True+1", "1/0", "9" * 300, "1+"])
+def test_calculator_refuses_everything_else(expr):
+    with pytest.raises(CalculatorError):
+        evaluate_arithmetic(expr)
+
+
+def test_calculator_service_formats_integers():
+    assert Calculator()(expression="6/3") == {"result": "2"}
+
+
+# ---- tool-call parsing --------------------------------------------------------------------
+
+def test_hermes_parser_reads_calls_in_order_and_flags_bad_ones():
+    text = ('let me compute <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+            '<tool_call>\n{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}\n</tool_call>'
+            '<tool_call>{"name": oops}</tool_call>')
+    r = HermesToolParser()(text)
+    assert [c.tool for c in r["calls"]] == ["calculator", "calculator", HermesToolParser.INVALID]
+    assert r["calls"][0].args == {"expression": "2*3"} and r["calls"][1].args == {"expression": "1+1"}
+    assert r["text"] == "let me compute"
+    assert HermesToolParser()("the answer is 6")["calls"] == []
+
+
+# ---- bounded tools ------------------------------------------------------------------------
+
+class _Hang:
+    name = "hang"
+
+    def __init__(self):
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def __call__(self, **_):
+        self.entered.set()
+        self.release.wait(60)
+        return {"result": "late"}
+
+
+class _Raise:
+    name = "boom"
+
+    def __call__(self, **_):
+        raise RuntimeError("tool exploded")
+
+
+class _Meet:
+    """Two calls must be inside the tool at the same time, else the barrier breaks: proves concurrency."""
+    name = "meet"
+
+    def __init__(self):
+        self.barrier = threading.Barrier(2, timeout=10)
+
+    def __call__(self, **_):
+        self.barrier.wait()
+        return {"result": "met"}
+
+
+def test_hanging_and_raising_tools_are_bounded_and_counted():
+    hang = _Hang()
+    runner = ToolRunner(ToolRegistry([hang, _Raise(), Calculator()]), timeout_s=0.5, max_workers=4)
+    try:
+        start = time.monotonic()
+        out = runner.run([ToolCall("hang", {}), ToolCall("boom", {}), ToolCall("calculator", {"expression": "2+2"}),
+                          ToolCall("nope", {}), ToolCall("calculator", {"wrong": "1"})])
+        elapsed = time.monotonic() - start
+        assert hang.entered.is_set()
+        assert [r.status for r in out] == ["timeout", "error", "ok", "error", "error"]
+        assert "tool exploded" in out[1].content and out[2].content == '{"result": "4"}'
+        assert elapsed < 0.5 + 2.0, f"a hanging tool held the caller {elapsed:.2f} s"
+        c = runner.counters()
+        assert (c["tools/calls"], c["tools/errors"], c["tools/timeouts"], c["tools/hung"]) == (5, 3, 1, 1)
+    finally:
+        hang.release.set()
+        runner.close()
+
+
+def test_tool_calls_run_concurrently():
+    runner = ToolRunner(ToolRegistry([_Meet()]), timeout_s=10, max_workers=2)
+    try:
+        assert [r.status for r in runner.run([ToolCall("meet", {}), ToolCall("meet", {})])] == ["ok", "ok"]
+    finally:
+        runner.close()
+
+
+def test_tool_env_turns_calls_into_tool_messages_then_scores_the_answer():
+    runner = ToolRunner(ToolRegistry([Calculator(), _Raise()]), timeout_s=2)
+    env = ToolEnv(lambda p: [{"role": "user", "content": p["q"]}], lambda p, text: float(text.strip() == p["a"]),
+                  runner, max_calls_per_turn=2)
+    try:
+        assert env.reset({"q": "123*456?", "a": "56088"}) == [{"role": "user", "content": "123*456?"}]
+        call = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>'
+        boom = '<tool_call>{"name": "boom", "arguments": {}}</tool_call>'
+        r = env.step(call + boom + call)
+        assert not r.done and r.reward == 0.0
+        assert [m["content"] for m in r.messages][0] == '{"result": "56088"}'
+        assert "tool exploded" in r.messages[1]["content"] and "more than 2 calls" in r.messages[2]["content"]
+        assert r.info == {"tool_calls": 3.0, "tool_errors": 2.0}
+        final = env.step("56088")
+        assert final.done and final.reward == 1.0
+    finally:
+        runner.close()
+
+
+# ---- the episode driver on a real engine --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine_and_tok():
+    from streamrl.engines.hf import HFEngine
+    from streamrl.models.factory import build_model
+
+    model, tok = build_model(ModelConfig(max_positions=256), seed=5)
+    return HFEngine(model, tok), tok
+
+
+def _two_turn_env():
+    """Turn 1 is always answered by a tool-like reply; turn 2 ends the episode with reward 1."""
+    def step(problem, turns):
+        if len(turns) == 1:
+            return StepResult([{"role": "tool", "content": TOOL_REPLY}], 0.0, False, {"tool_calls": 1.0})
+        return StepResult([], 1.0, True)
+    return FunctionEnv(lambda p: [{"role": "user", "content": p}], step)
+
+
+def test_two_turn_episode_masks_tool_tokens_and_matches_teacher_forcing(engine_and_tok):
+    eng, tok = engine_and_tok
+    renderer = PlainTextRenderer(tok)
+    reply = tok.encode(TOOL_REPLY, add_special_tokens=False)
+    versions = iter([3, 4])  # a weight update lands between the two turns
+    torch.manual_seed(0)
+    problems = ["12+34=", "5*6=", "999+1="]
+    eps = run_episodes(eng, [_two_turn_env() for _ in problems], problems, renderer, tok.decode, tok.eos_token_id,
+                       EpisodeLimits(max_turns=4, max_turn_tokens=6, max_response_tokens=64), temperature=1.0,
+                       version_fn=lambda: next(versions))
+    for ep in eps:
+        assert ep.turns == 2 and ep.stop == "done" and ep.reward == 1.0
+        first = ep.mask.index(False)
+        n_env = len(reply)
+        # Exactly the tool reply is masked out, with log-prob 0, sitting between the two model turns.
+        assert ep.response[first:first + n_env] == reply and ep.mask[first:first + n_env] == [False] * n_env
+        assert all(ep.mask[:first]) and all(ep.mask[first + n_env:]) and len(ep.response) > first + n_env
+        assert ep.logprobs[first:first + n_env] == [0.0] * n_env
+        assert ep.versions == [3] * (first + n_env) + [4] * (len(ep.response) - first - n_env)
+    # Model tokens' behaviour log-probs equal teacher forcing over the whole conversation.
+    scored = eng.score([ep.prompt + ep.response for ep in eps], [len(ep.prompt) for ep in eps])
+    for ep, ref in zip(eps, scored):
+        model_pos = [j for j, m in enumerate(ep.mask) if m]
+        torch.testing.assert_close(torch.tensor([ep.logprobs[j] for j in model_pos]),
+                                   torch.tensor([ref[j] for j in model_pos]), atol=1e-4, rtol=0)
+    # The trajectory contract holds and the learner's loss mask excludes the tool tokens.
+    td = episodes_to_trajectories(eps, group_ids=[0, 0, 1], traj_ids=[1, 2, 3], worker_id=0)
+    validate_trajectories(td)
+    padded = to_padded(td, pad_id=tok.pad_token_id)
+    for i, ep in enumerate(eps):
+        p = len(ep.prompt)
+        assert padded["loss_mask"][i, p - 1:p - 1 + len(ep.response)].bool().tolist() == ep.mask
+    m = episode_metrics(eps)
+    assert m["episodes/turns_mean"] == 2.0 and m["episodes/tool_calls"] == 3.0 and m["episodes/stop_done"] == 3.0
+
+
+def test_episode_limits_cut_turns_and_tokens(engine_and_tok):
+    eng, tok = engine_and_tok
+    never_done = FunctionEnv(lambda p: [{"role": "user", "content": p}],
+                             lambda p, turns: StepResult([{"role": "tool", "content": TOOL_REPLY}], 0.5, False))
+    torch.manual_seed(1)
+    by_turns = run_episodes(eng, [never_done], ["1+1="], PlainTextRenderer(tok), tok.decode, tok.eos_token_id,
+                            EpisodeLimits(max_turns=3, max_turn_tokens=4, max_response_tokens=200))[0]
+    assert by_turns.stop == "max_turns" and by_turns.turns == 3 and by_turns.reward == 1.5
+    by_tokens = run_episodes(eng, [never_done], ["1+1="], PlainTextRenderer(tok), tok.decode, tok.eos_token_id,
+                             EpisodeLimits(max_turns=50, max_turn_tokens=4, max_response_tokens=20))[0]
+    assert by_tokens.stop == "max_tokens" and len(by_tokens.response) <= 20
+
+
+def test_hanging_tool_inside_an_episode_is_bounded_and_counted(engine_and_tok):
+    """A real engine drives a ToolEnv whose first turn calls a hanging and a raising tool."""
+    eng, tok = engine_and_tok
+    hang = _Hang()
+    runner = ToolRunner(ToolRegistry([hang, _Raise()]), timeout_s=0.3)
+    seen = []
+
+    def parser(text):  # the random model cannot write tool calls: the first turn "calls" both tools
+        seen.append(text)
+        calls = [ToolCall("hang", {}), ToolCall("boom", {})] if len(seen) == 1 else []
+        return {"text": text, "calls": calls, "meta": {}}
+
+    env = ToolEnv(lambda p: [{"role": "user", "content": p}], lambda p, text: 1.0, runner, parser=parser)
+    renderer = PlainTextRenderer(tok, template="{role}:{content} ")  # error texts hold unknown chars -> <unk>
+    try:
+        ep = run_episodes(eng, [env], ["3*3="], renderer, tok.decode, tok.eos_token_id,
+                          EpisodeLimits(max_turns=3, max_turn_tokens=4, max_response_tokens=400))[0]
+        assert ep.stop == "done" and ep.turns == 2 and ep.reward == 1.0
+        assert ep.info == {"tool_calls": 2.0, "tool_errors": 2.0}
+        c = runner.counters()
+        assert (c["tools/timeouts"], c["tools/errors"]) == (1, 1)
+    finally:
+        hang.release.set()
+        runner.close()
+
+
+@pytest.mark.skipif(not os.path.isdir(SMOL), reason="models/smol not prepared (streamrl-prepare-model)")
+def test_chat_template_reply_tokens_continue_the_conversation():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SMOL)
+    r = ChatTemplateRenderer(tok)
+    user = [{"role": "user", "content": "What is 12*34?"}]
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+    tool = [{"role": "tool", "content": '{"result": "408"}'}]
+    # As the driver builds it: prompt, the sampled turn ending with <|im_end|>, the rendered reply.
+    tokens = r.prompt_tokens(user) + tok.encode(call, add_special_tokens=False) + [tok.eos_token_id]
+    tokens += r.env_tokens(tool, model_ended=True)
+    whole = tok.apply_chat_template(user + [{"role": "assistant", "content": call}] + tool, tokenize=True,
+                                    add_generation_prompt=True, return_dict=False)
+    assert tokens == list(whole)
