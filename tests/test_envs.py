@@ -163,7 +163,7 @@ def test_two_turn_episode_masks_tool_tokens_and_matches_teacher_forcing(engine_a
     problems = ["12+34=", "5*6=", "999+1="]
     eps = run_episodes(eng, [_two_turn_env() for _ in problems], problems, renderer, tok.decode, tok.eos_token_id,
                        EpisodeLimits(max_turns=4, max_turn_tokens=6, max_response_tokens=64), temperature=1.0,
-                       version_fn=lambda: next(versions))
+                       before_turn=lambda: next(versions))
     for ep in eps:
         assert ep.turns == 2 and ep.stop == "done" and ep.reward == 1.0
         first = ep.mask.index(False)
@@ -244,3 +244,93 @@ def test_chat_template_reply_tokens_continue_the_conversation():
     whole = tok.apply_chat_template(user + [{"role": "assistant", "content": call}] + tool, tokenize=True,
                                     add_generation_prompt=True, return_dict=False)
     assert tokens == list(whole)
+
+
+# ---- the large-arithmetic calculator task -------------------------------------------------
+
+def test_tiny_calculator_episode_rewards_calling_the_tool_and_copying_the_result():
+    import random
+
+    from streamrl.envs.calculator_task import TINY_REPLY, LargeArithmetic, calculator_runner, tiny_calculator_env
+    from streamrl.models.tokenizer import build_char_tokenizer
+
+    task = LargeArithmetic(digits=6)
+    problem = task.sample(random.Random(0))
+    runner = calculator_runner()
+    try:
+        env = tiny_calculator_env(task, runner)
+        assert env.reset(problem) == [{"role": "user", "content": problem.prompt}]
+        call = env.step(f"c:{problem.fields['expression']}")
+        assert not call.done and call.messages == [{"role": "tool", "content": problem.answer}]
+        # The reply renders in the character vocabulary (no <unk>).
+        tok = build_char_tokenizer()
+        ids = PlainTextRenderer(tok, template=TINY_REPLY).env_tokens(call.messages, model_ended=True)
+        assert tok.unk_token_id not in ids and tok.decode(ids) == f"={problem.answer} "
+        assert env.step(problem.answer).reward == 1.0
+        env.reset(problem)
+        assert env.step("c:1+*").messages == [{"role": "tool", "content": "error"}]
+        assert env.step("12").reward == 0.0
+    finally:
+        runner.close()
+
+
+def test_chat_calculator_env_speaks_hermes():
+    import random
+
+    from streamrl.envs.calculator_task import LargeArithmetic, calculator_runner, chat_calculator_env
+
+    task = LargeArithmetic(digits=4, ops="+")
+    problem = task.sample(random.Random(1))
+    runner = calculator_runner()
+    try:
+        env = chat_calculator_env(task, runner)
+        msgs = env.reset(problem)
+        assert msgs[0]["role"] == "system" and "<tool_call>" in msgs[0]["content"]
+        call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+        r = env.step(call % problem.fields["expression"])
+        assert r.messages == [{"role": "tool", "content": '{"result": "%s"}' % problem.answer}]
+        assert env.step(f"The answer is {problem.answer}.").reward == 1.0
+    finally:
+        runner.close()
+
+
+# ---- in-flight weight updates inside and between turns ------------------------------------
+
+def test_hf_fast_versions_change_inside_and_between_turns():
+    """An update lands mid turn 1 (engine-stamped) and the next turn starts at the new version;
+    every model token's log-prob is its version's teacher forcing."""
+    import copy
+
+    from streamrl.engines.hf import HFEngine
+    from streamrl.engines.hf_fast import FastHFEngine
+    from streamrl.models.factory import build_model
+
+    model, tok = build_model(ModelConfig(max_positions=256), seed=7)
+    v0 = copy.deepcopy(model).eval()
+    g = torch.Generator().manual_seed(11)
+    new = [(n, p.detach() + 0.5 * torch.randn(p.shape, generator=g)) if n == "lm_head.weight" else (n, p.detach())
+           for n, p in model.named_parameters()]
+    v1 = copy.deepcopy(model).eval()
+    v1.load_state_dict(dict(new), strict=False)
+    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=128, eos_token_id=-1)  # turns run to the token cap
+    calls, loaded = [], [10]
+
+    def between_steps():  # the update arrives before decode step 3 of the first turn
+        calls.append(None)
+        if len(calls) == 4:
+            loaded[0] = 11
+            return 11, new
+        return None
+
+    torch.manual_seed(0)
+    eps = run_episodes(eng, [_two_turn_env() for _ in range(2)], ["12+34=", "7*8="], PlainTextRenderer(tok),
+                       tok.decode, tok.eos_token_id, EpisodeLimits(max_turns=2, max_turn_tokens=6),
+                       before_turn=lambda: loaded[0], between_steps=between_steps)
+    n_env = len(tok.encode(TOOL_REPLY, add_special_tokens=False))
+    for ep in eps:
+        assert ep.versions == [10] * 3 + [11] * 3 + [11] * n_env + [11] * 6
+        full = ep.prompt + ep.response
+        ref = {v: HFEngine(m, tok).score([full], [len(ep.prompt)])[0] for v, m in ((10, v0), (11, v1))}
+        want = [ref[v][j] for j, v in enumerate(ep.versions) if ep.mask[j]]
+        torch.testing.assert_close(torch.tensor([lp for lp, m in zip(ep.logprobs, ep.mask) if m]),
+                                   torch.tensor(want), atol=1e-4, rtol=0)

@@ -19,8 +19,9 @@ policy_version     from the engine / turn     version of the model token before 
 
 So the existing ``response_mask`` field of the trajectory contract is the loss mask; the learner
 needs no new key. Versions: an engine that reports per-token versions (in-flight updates) gives
-them; otherwise each turn is stamped with ``version_fn()`` read when the turn starts, so a weight
-update between turns shows as a version change inside the trajectory.
+them; otherwise each turn is stamped with the version ``before_turn()`` returns when the turn starts
+(the worker's hook that loads pending weights between turns), so a weight update between turns
+shows as a version change inside the trajectory.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ class Episode:
 
 def run_episodes(engine, envs: list[Environment], problems: list[Any], renderer: Renderer, decode: Callable,
                  eos_id: int, limits: EpisodeLimits = EpisodeLimits(), temperature: float = 1.0,
-                 version_fn: Callable[[], int] = lambda: 0, pool: ThreadPoolExecutor | None = None,
+                 before_turn: Callable[[], int] = lambda: 0, pool: ThreadPoolExecutor | None = None,
                  **generate_kwargs) -> list[Episode]:
     """Play one episode per ``(env, problem)`` to the end; returns them in order.
 
@@ -98,9 +99,10 @@ def run_episodes(engine, envs: list[Environment], problems: list[Any], renderer:
         while live:
             budget = {i: min(limits.max_turn_tokens, limits.max_response_tokens - len(episodes[i].response))
                       for i in live}
-            version = version_fn()
+            version = before_turn()
+            extra = {**generate_kwargs, "version": version} if "between_steps" in generate_kwargs else generate_kwargs
             gen = engine.generate([episodes[i].prompt + episodes[i].response for i in live],
-                                  max(budget.values()), temperature, **generate_kwargs)
+                                  max(budget.values()), temperature, **extra)
             texts = {}
             for j, i in enumerate(live):
                 ep, n = episodes[i], budget[i]

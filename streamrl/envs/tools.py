@@ -149,12 +149,14 @@ class ToolResult:
 
     status: "ok", "error" (raised, unknown tool, bad call) or "timeout".
     latency_s: wall time from submission until the result (or the time limit).
+    output: the service's dict when ``status == "ok"`` (``content`` is its JSON), else None.
     """
 
     tool: str
     content: str
     status: str
     latency_s: float
+    output: dict | None = None
 
 
 class ToolRunner:
@@ -207,8 +209,10 @@ class ToolRunner:
             if call.tool not in self.registry:
                 return ToolResult(call.tool, f"error: unknown tool {call.tool!r}", "error", time.monotonic() - start)
             out = self.registry.get(call.tool)(**call.args)
-            return ToolResult(call.tool, json.dumps(out) if not isinstance(out, str) else out, "ok",
-                              time.monotonic() - start)
+            if not isinstance(out, dict):
+                return ToolResult(call.tool, f"error: {call.tool} returned {type(out).__name__}, not a dict",
+                                  "error", time.monotonic() - start)
+            return ToolResult(call.tool, json.dumps(out), "ok", time.monotonic() - start, out)
         except Exception as e:  # any failure of a tool is the model's problem, never the worker's
             return ToolResult(call.tool, f"error: {type(e).__name__}: {e}", "error", time.monotonic() - start)
         finally:
