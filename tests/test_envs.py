@@ -334,3 +334,30 @@ def test_hf_fast_versions_change_inside_and_between_turns():
         want = [ref[v][j] for j, v in enumerate(ep.versions) if ep.mask[j]]
         torch.testing.assert_close(torch.tensor([lp for lp, m in zip(ep.logprobs, ep.mask) if m]),
                                    torch.tensor(want), atol=1e-4, rtol=0)
+
+
+# ---- a worker batch of tool episodes ------------------------------------------------------
+
+def test_episode_batch_roller_packs_groups_of_tool_episodes(engine_and_tok):
+    import itertools
+    import random
+
+    from streamrl.envs.calculator_task import TINY_REPLY, LargeArithmetic, calculator_runner, tiny_calculator_env
+    from streamrl.envs.roller import EpisodeBatchRoller
+
+    eng, tok = engine_and_tok
+    task, rng, ids = LargeArithmetic(digits=3), random.Random(0), itertools.count(1)
+    runner = calculator_runner()
+    roller = EpisodeBatchRoller(eng, tok, iter(lambda: task.sample(rng), None), lambda: tiny_calculator_env(task, runner),
+                                PlainTextRenderer(tok, template=TINY_REPLY), EpisodeLimits(2, 8, 40), lambda: next(ids),
+                                prompts_per_batch=2, group_size=3, runner=runner)
+    try:
+        torch.manual_seed(0)
+        td, m = roller.rollout_batch(version=5)
+        validate_trajectories(td, max_version=5)
+        assert td["group_id"].tolist()[:3] == [td["group_id"][0].item()] * 3 and len(set(td["group_id"].tolist())) == 2
+        assert len(set(td["traj_id"].tolist())) == 6 and (td["policy_version"] == 5).all()
+        assert 1.0 <= m["episodes/turns_mean"] <= 2.0 and m["tools/calls"] == m["episodes/tool_calls"]
+    finally:
+        roller.close()
+        runner.close()
