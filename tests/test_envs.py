@@ -361,3 +361,25 @@ def test_episode_batch_roller_packs_groups_of_tool_episodes(engine_and_tok):
     finally:
         roller.close()
         runner.close()
+
+
+# ---- the Python tool ----------------------------------------------------------------------
+
+def test_python_tool_runs_code_in_a_fresh_limited_process():
+    from streamrl.envs.python_tool import PythonTool
+
+    tool = PythonTool(timeout_s=1.0, memory_mb=256)
+    assert tool(code="print(6*7)") == {"stdout": "42\n", "stderr": "", "returncode": 0}
+    assert tool(code="import sys; sys.modules['x'] = 1; X = 5")["returncode"] == 0
+    assert "NameError" in tool(code="print(X)")["stderr"]  # nothing survives between calls
+    assert tool(code="raise SystemExit(3)")["returncode"] == 3
+    assert tool(code="b = bytearray(512 << 20)")["returncode"] != 0  # above the address-space limit
+    start = time.monotonic()
+    hung = tool(code="while True: pass")
+    assert hung["returncode"] == -9 and "timed out" in hung["stderr"] and time.monotonic() - start < 1.0 + 3.0
+    runner = ToolRunner(ToolRegistry([tool]), timeout_s=5.0)
+    try:
+        out = runner.run([ToolCall("python", {"code": "print(sum(range(10)))"}), ToolCall("python", {"code": 1})])
+        assert out[0].output["stdout"] == "45\n" and out[1].status == "error"
+    finally:
+        runner.close()
