@@ -383,3 +383,34 @@ def test_python_tool_runs_code_in_a_fresh_limited_process():
         assert out[0].output["stdout"] == "45\n" and out[1].status == "error"
     finally:
         runner.close()
+
+
+# ---- what the learner makes of an episode batch -------------------------------------------
+
+def test_learner_trains_only_the_model_tokens_of_an_episode(engine_and_tok):
+    """The unchanged trainer, on a batch of two-turn episodes: tool tokens are not trained tokens,
+    and whatever behaviour log-prob they carry does not change the gradient."""
+    from streamrl.config import load_config
+    from streamrl.learner.trainer import Trainer
+
+    from test_checkpoint import REPO
+
+    eng, tok = engine_and_tok
+    torch.manual_seed(2)
+    problems = ["12+34=", "5*6=", "999+1=", "8-3="]
+    eps = run_episodes(eng, [_two_turn_env() for _ in problems], problems, PlainTextRenderer(tok), tok.decode,
+                       tok.eos_token_id, EpisodeLimits(max_turns=2, max_turn_tokens=6))
+    for j, ep in enumerate(eps):
+        ep.reward = float(j % 2)  # two groups of two with different rewards: non-zero advantages
+    td = episodes_to_trajectories(eps, group_ids=[0, 0, 1, 1], traj_ids=[1, 2, 3, 4], worker_id=0)
+    tr = Trainer(load_config(f"{REPO}/configs/tiny.yaml", ["learner.lr=1e-3"]))
+    tr.gradients(td)
+    grads = {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+    env = ~td["response_mask"]
+    assert env.sum() == len(eps) * len(tok.encode(TOOL_REPLY, add_special_tokens=False))
+    td["behaviour_logprobs"][env] = -7.0  # a wrong value on tool tokens must not matter
+    tr.gradients(td)
+    for n, p in tr.model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, grads[n], atol=1e-7, rtol=0)
+    assert any(g.abs().sum() > 0 for g in grads.values())
