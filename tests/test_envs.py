@@ -414,3 +414,35 @@ def test_learner_trains_only_the_model_tokens_of_an_episode(engine_and_tok):
         if p.grad is not None:
             torch.testing.assert_close(p.grad, grads[n], atol=1e-7, rtol=0)
     assert any(g.abs().sum() > 0 for g in grads.values())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(SMOL), reason="models/smol not prepared (streamrl-prepare-model)")
+def test_smol_two_turn_chat_episode_matches_teacher_forcing():
+    """SmolLM2 with its chat template: the tool reply is rendered by the template (closing a turn
+    cut by the token limit), and model tokens keep their teacher-forced log-probs."""
+    from streamrl.engines.hf import HFEngine
+    from streamrl.models.factory import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(ModelConfig(path=SMOL))
+    eng = HFEngine(model, tok)
+    renderer = ChatTemplateRenderer(tok)
+
+    def step(problem, turns):
+        if len(turns) == 1:
+            return StepResult([{"role": "tool", "content": '{"result": "408"}'}], 0.0, False)
+        return StepResult([], float("408" in turns[-1]), True)
+
+    torch.manual_seed(0)
+    problems = ["What is 12*34? Use the calculator.", "Compute 12 times 34."]
+    envs = [FunctionEnv(lambda p: [{"role": "user", "content": p}], step) for _ in problems]
+    eps = run_episodes(eng, envs, problems, renderer, lambda t: tok.decode(t), tok.eos_token_id,
+                       EpisodeLimits(max_turns=2, max_turn_tokens=12, max_response_tokens=128))
+    scored = eng.score([ep.prompt + ep.response for ep in eps], [len(ep.prompt) for ep in eps])
+    for ep, ref in zip(eps, scored):
+        assert ep.turns == 2
+        env_text = tok.decode([t for t, m in zip(ep.response, ep.mask) if not m])
+        assert "<|im_start|>tool\n" in env_text and env_text.endswith("<|im_start|>assistant\n")
+        pos = [j for j, m in enumerate(ep.mask) if m]
+        torch.testing.assert_close(torch.tensor([ep.logprobs[j] for j in pos]), torch.tensor([ref[j] for j in pos]),
+                                   atol=2e-4, rtol=0)
