@@ -101,7 +101,7 @@ def test_input_fields_cover_any_section_by_name(tmp_path):
     ("rollout.max_new_token=3", "did you mean 'rollout.max_new_tokens'?"),
     ("lerner.lr=1", "did you mean 'learner'?"),
     ("learner.lr_rate=1", "did you mean 'learner.lr'?"),
-    ("learner.temperature=1", "did you mean 'rollout.temperature'?"),
+    ("learner.group_size=1", "did you mean 'rollout.group_size'?"),
 ])
 def test_unknown_key_suggests_the_nearest(override, suggestion, capsys):
     with pytest.raises(ConfigError, match=suggestion.replace("?", r"\?").replace(".", r"\.")):
