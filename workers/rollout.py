@@ -35,6 +35,8 @@ from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.metrics import RateLimitedRedisSink
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.rewards import build_reward, response_texts, token_rewards
+from streamrl.roles.launch import reward_role_configured
+from streamrl.roles.reward_wire import ENDPOINT as REWARD_ENDPOINT
 from streamrl.tasks import build_task
 from streamrl.tasks.sources import build_prompt_source
 from streamrl.trajectory import make_id, pack_trajectories
@@ -67,12 +69,13 @@ class PromptEncoder:
 class BatchRoller:
     """One batch: ``prompts_per_batch`` problems x ``group_size`` samples, scored and packed."""
 
-    def __init__(self, cfg: Config, engine, tok, problems, worker_id: int = 0, next_id=None):
+    def __init__(self, cfg: Config, engine, tok, problems, worker_id: int = 0, next_id=None, reward_endpoint=None):
         self.cfg, self.engine, self.tok, self.problems, self.wid = cfg, engine, tok, problems, worker_id
         self.encode = PromptEncoder(tok, cfg.rollout.chat_template)
         self.task = build_task(cfg.task)
         rc = cfg.rollout
-        self.reward = build_reward(rc.rewards, self.task, rc.reward_model, rc.reward_model_device)
+        self.reward = build_reward(rc.rewards, self.task, rc.reward_model, rc.reward_model_device,
+                                   reward_endpoint=reward_endpoint)
         self._counter = 0
         self._next_id = next_id or self._local_id
 
@@ -176,7 +179,11 @@ class RolloutWorker:
         task = build_task(cfg.task)
         problems = build_prompt_source(cfg, task, cfg.run.seed * 7919 + self.incarnation,
                                  self.wid, max(args.num_workers, self.wid + 1))
-        self.roller = BatchRoller(cfg, self.engine, self.tok, problems, self.wid, self._next_id)
+        reward_endpoint = None
+        if reward_role_configured(cfg):  # the reward-model role scores for every worker (streamrl.roles)
+            self.coord.wait_endpoint(REWARD_ENDPOINT, timeout_s=600)
+            reward_endpoint = lambda: self.coord.get_endpoint(REWARD_ENDPOINT)  # noqa: E731 (re-read after restarts)
+        self.roller = BatchRoller(cfg, self.engine, self.tok, problems, self.wid, self._next_id, reward_endpoint)
         self.probes = (probe_set(task, self.roller.encode, cfg.rollout.parity_probes, cfg.run.seed)
                        if self.reference is not None else None)
         self.subscriber = make_subscriber(self.coord, cfg, worker_id=self.wid)
