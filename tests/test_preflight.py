@@ -41,8 +41,11 @@ def test_cli_nonexistent_model_path_exits_2_naming_the_field(repo, python):
     assert proc.stderr.strip() == "streamrl-launch: config field 'model.path' = '/nonexistent': no such folder"
 
 
-def test_local_folder_needs_config_json(tmp_path, repo):
-    assert resolve_model_path(str(repo / "models/smol")) == (repo / "models/smol").resolve()
+def test_local_folder_needs_config_json(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert resolve_model_path(str(model)) == model.resolve()
     with pytest.raises(ConfigError, match="model.path.*has no config.json"):
         resolve_model_path(str(tmp_path))
     (tmp_path / "weights.bin").write_text("x")
@@ -101,7 +104,7 @@ def test_input_fields_cover_any_section_by_name(tmp_path):
     ("rollout.max_new_token=3", "did you mean 'rollout.max_new_tokens'?"),
     ("lerner.lr=1", "did you mean 'learner'?"),
     ("learner.lr_rate=1", "did you mean 'learner.lr'?"),
-    ("learner.group_size=1", "did you mean 'rollout.group_size'?"),
+    ("learner.chat_template=1", "did you mean 'rollout.chat_template'?"),
 ])
 def test_unknown_key_suggests_the_nearest(override, suggestion, capsys):
     with pytest.raises(ConfigError, match=suggestion.replace("?", r"\?").replace(".", r"\.")):

@@ -104,6 +104,7 @@ def make_batch(tok, args):
 def run_child(args) -> int:
     """One implementation: warm-up gradient pass (saved for comparison), log-probs, timed steps."""
     import torch
+    from safetensors.torch import load_file, save_file
     from streamrl.learner.packing import response_grid
     from streamrl.learner.padded_reference import padded_step
     from streamrl.learner.trainer import Trainer
@@ -126,17 +127,17 @@ def run_child(args) -> int:
     diffs = {"max_abs_logprob_diff": 0.0, "max_abs_grad_diff": 0.0, "max_abs_grad": 0.0}
     if impl == "padded":
         ref.mkdir(exist_ok=True)
-        torch.save(logp, ref / "logprobs.pt")
-    elif (ref / "logprobs.pt").exists():
-        diffs["max_abs_logprob_diff"] = float((torch.load(ref / "logprobs.pt") - logp).abs().max())
+        save_file({"t": logp.detach().cpu().contiguous()}, ref / "logprobs.safetensors")
+    elif (ref / "logprobs.safetensors").exists():
+        diffs["max_abs_logprob_diff"] = float((load_file(ref / "logprobs.safetensors")["t"] - logp.cpu()).abs().max())
     for i, (n, p) in enumerate(tr.model.named_parameters()):
         if p.grad is None:
             continue
         g = p.grad.detach().float().cpu()
         if impl == "padded":
-            torch.save(g, ref / f"{i}.pt")
-        elif (ref / f"{i}.pt").exists():
-            r = torch.load(ref / f"{i}.pt")
+            save_file({"t": g.contiguous()}, ref / f"{i}.safetensors")
+        elif (ref / f"{i}.safetensors").exists():
+            r = load_file(ref / f"{i}.safetensors")["t"]
             diffs["max_abs_grad_diff"] = max(diffs["max_abs_grad_diff"], float((r - g).abs().max()))
             diffs["max_abs_grad"] = max(diffs["max_abs_grad"], float(r.abs().max()))
         del g
