@@ -240,3 +240,17 @@ def test_transformers_builds_the_packed_mask_from_position_ids(arch):
                        position_ids=torch.cat([torch.arange(7), torch.arange(5)])[None]).logits
         sep = torch.cat([model(input_ids=a).logits, model(input_ids=b).logits], 1)
     assert torch.allclose(packed, sep, atol=1e-5)
+
+
+def test_batch_without_signal_skips_the_optimizer_step():
+    """Every group's rewards alike -> all advantages 0 -> no optimizer step (learner.skip_no_signal),
+    so the weights and AdamW's state stay as they were; with the flag off the step runs."""
+    batch = group_batch(5)
+    batch["reward"] = torch.full_like(batch["reward"], 0.5)
+    for skip in (True, False):
+        tr = _trainer([f"learner.skip_no_signal={str(skip).lower()}"])
+        before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+        m = tr.step(batch)
+        moved = any(not torch.equal(before[n], p.detach()) for n, p in tr.model.named_parameters())
+        assert m["learner/skipped_no_signal"] == float(skip)
+        assert moved is not skip and (len(tr.optim.state) == 0) is skip
