@@ -158,7 +158,7 @@ def test_checkpoint_written_with_ep2_loads_with_ep1_in_one_process(tmp_path):
     _assert_same(saved[0], loaded)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(900)
 def test_checkpoint_written_with_ep1_resumes_with_ep2(tmp_path):
     saved = spawn_gloo(_save_after_two_steps, 2, str(tmp_path), 1, timeout_s=400)[0]
@@ -166,7 +166,7 @@ def test_checkpoint_written_with_ep1_resumes_with_ep2(tmp_path):
         _assert_same(saved, loaded)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(900)
 def test_checkpoint_four_ranks_ep2_dp2_reshards_to_ep4_and_one_process(tmp_path):
     """Experts split over ep AND FSDP-sharded over dp_shard: the global offsets must still hold."""

@@ -197,7 +197,7 @@ def _grads_with_and_without_checkpointing(rank, world, ep, extra):
 
 @pytest.mark.parametrize("extra", [
     ["learner.shared_prompt=true", "learner.max_tokens_per_microbatch=30", "learner.aux_loss_coef=0"],
-    pytest.param(["learner.compile=true"], marks=[pytest.mark.slow, pytest.mark.timeout(900)]),  # compiling: minutes
+    pytest.param(["learner.compile=true"], marks=[pytest.mark.heavy, pytest.mark.timeout(900)]),  # compiling: minutes
 ])
 def test_activation_checkpointing_leaves_gradients_unchanged(extra):
     """Per-layer checkpointing (with R3 replay restored for the recompute; and composed with
@@ -208,7 +208,7 @@ def test_activation_checkpointing_leaves_gradients_unchanged(extra):
         assert torch.allclose(ac["g"][k], v, atol=1e-7, rtol=1e-5), k
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_activation_checkpointing_with_fsdp_and_ep():
     extra = ["learner.shared_prompt=true", "learner.max_tokens_per_microbatch=30", "learner.aux_loss_coef=0"]
