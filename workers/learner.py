@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from streamrl.config import config_from_dict, load_config
 from streamrl.coord.coordinator import Coordinator
-from streamrl.evaluate import read_eval_summary
 from streamrl.learner.checkpoint import checkpoint_dir
 from streamrl.learner.checkpointer import Checkpointer, RunProgress
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
@@ -210,6 +209,8 @@ class Reporter:
         wall = time.time() - self.t_start
         summary = _summary(run, wall, self.intake, self.idle_total, status)
         summary["resumed_from_step"] = resumed_step
+        from streamrl.evaluate import read_eval_summary  # here: evaluate pulls in the rollout worker's modules
+
         summary["eval"] = read_eval_summary(self.run_dir)  # the evaluator role's eval.json, if it ran
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if status != "failed":
