@@ -28,6 +28,9 @@ class ManagedProcess:
     restarts: int = 0
     exit_codes: list[int] = field(default_factory=list)
     _restart_at: float | None = None
+    makes_batches: bool = True
+    """A rollout worker. False for helpers (evaluator, role servers): the run fails when every
+    batch maker has failed, whatever the helpers do."""
     parked_since: float | None = None
     """Set while the process exited because the run stopped; it restarts only if the run goes on."""
 

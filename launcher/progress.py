@@ -74,6 +74,7 @@ class Progress:
     _shown_step: int = -1
     _last_show: float = float("-inf")
     _width: int = 0
+    _walls: deque = field(default_factory=lambda: deque(maxlen=2))
 
     def __post_init__(self):
         if self.tty is None:
@@ -96,8 +97,15 @@ class Progress:
                 continue
             if isinstance(row, dict) and "learner/step" in row:
                 self._row = row
+                if "wall_s" in row:
+                    self._walls.append(float(row["wall_s"]))
                 if "learner/reward_mean" in row:
                     self._rewards.append(float(row["learner/reward_mean"]))
+
+    def last_step_s(self) -> float | None:
+        """Seconds between the learner's last two steps as of the last read (None before two)."""
+        self._read()
+        return self._walls[1] - self._walls[0] if len(self._walls) == 2 else None
 
     def poll(self, now: float | None = None) -> str | None:
         """Read new rows; show a line if one is due. Returns the line shown (None if none)."""

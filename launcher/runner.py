@@ -140,7 +140,7 @@ def _processes(launch: Launch, url: str, state: RunState):
         rollers.append(ManagedProcess(
             "evaluator", [sys.executable, "-m", "streamrl.workers.evaluator", "--redis-url", url, "--run-id",
                           launch.run_id], logs / "evaluator.log", env=dict(BASE_ENV),
-            max_restarts=launch.args.max_restarts, backoff_s=launch.args.restart_backoff))
+            max_restarts=launch.args.max_restarts, backoff_s=launch.args.restart_backoff, makes_batches=False))
     from streamrl.roles.launch import PROCESS_NAME, reward_role_device, reward_server_cmd  # noqa: PLC0415 (one hunk)
 
     rm_device = reward_role_device(launch.cfg, launch.args.node_rank)
@@ -148,5 +148,5 @@ def _processes(launch: Launch, url: str, state: RunState):
         rollers.append(ManagedProcess(
             PROCESS_NAME, reward_server_cmd(url, launch.run_id, rm_device, launch.bind_host, launch.advertise_host),
             logs / "reward.log", env=dict(BASE_ENV), max_restarts=launch.args.max_restarts,
-            backoff_s=launch.args.restart_backoff))
+            backoff_s=launch.args.restart_backoff, makes_batches=False))
     return learner, rollers

@@ -138,7 +138,8 @@ class Supervisor:
                     r.proc = None  # given up: its exit codes are recorded
             if r.restart_due():
                 r.start()
-        if self.rollers and all(r.proc is None and not r.restarting and r.parked_since is None for r in self.rollers):
+        makers = [r for r in self.rollers if r.makes_batches]
+        if makers and all(r.proc is None and not r.restarting and r.parked_since is None for r in makers):
             self.failures.append("all rollout workers failed" + ("" if self.single_host else " on this host"))
             if self.single_host:
                 self.coord.request_stop("all rollout workers failed")
@@ -221,8 +222,9 @@ class Supervisor:
         if lr is not None and lr.alive():
             if self.head:
                 self._safe(lambda: self.coord.stop_reason() or self.coord.request_stop(reason))
-            if not _wait(lr, self.stop_grace_s):
-                self.say(f"learner still running {self.stop_grace_s:.0f} s after the stop request; SIGTERM")
+            grace = self._learner_grace_s()
+            if not _wait(lr, grace):
+                self.say(f"learner still running {grace:.0f} s after the stop request; SIGTERM")
                 lr.signal(signal.SIGTERM)
                 if not _wait(lr, self.stop_grace_s):
                     self.say("learner ignored SIGTERM; SIGKILL")
@@ -239,6 +241,16 @@ class Supervisor:
                 if left:
                     self.say(f"hosts still running after 15 s: {', '.join(left)}")
         self._safe(lambda: self.state.set_host(self.host, "exited"))
+
+    def _learner_grace_s(self) -> float:
+        """How long a stop request waits for the learner: ``stop_grace_s``, or three of its recent
+        steps when those are longer (a step is finished before the checkpoint, and a 2-core run of a
+        real model can spend minutes per step; cutting it short would lose the checkpoint)."""
+        step_s = self.progress.last_step_s() if self.progress is not None else None
+        if step_s is not None and 3 * step_s > self.stop_grace_s:
+            self.say(f"waiting up to {3 * step_s:.0f} s (3 learner steps) for the learner to finish its step and save")
+            return 3 * step_s
+        return self.stop_grace_s
 
     @staticmethod
     def _safe(fn):

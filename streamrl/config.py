@@ -204,8 +204,6 @@ class RolloutConfig:
     """Optional reward model: an HF folder (sequence-classification or causal LM) or a hook 'package.module:factory'."""
     reward_model_device: str = "cpu"
     """Device handed to the reward-model factory (its own device)."""
-    prompt_file: str = ""
-    """JSONL prompt file ({"prompt", "answer"} per line); empty = the task generator."""
     chat_template: bool = False
     """Wrap prompts in the tokenizer's chat template (instruct models)."""
     kv_cache_mb: int = 256
@@ -577,6 +575,10 @@ def _nearest(key: str, known: set[str], prefix: str) -> str:
     return ""
 
 
+# Fields that moved: an old config gets the new name instead of "unknown field".
+RENAMED = {"rollout.prompt_file": "data.path"}
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"config section '{prefix or 'root'}' = {data!r}: expected a mapping")
@@ -585,6 +587,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for key in data:
         if key not in known:
             where = f"{prefix}.{key}" if prefix else key
+            if where in RENAMED:
+                raise ConfigError(f"config field '{where}' was replaced by '{RENAMED[where]}'; use that instead")
             raise ConfigError(f"config field '{where}' is unknown{_nearest(str(key), known, prefix)}; "
                               f"known fields: {sorted(known)}")
     kwargs = {}

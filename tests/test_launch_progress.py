@@ -56,3 +56,14 @@ def test_tty_rewrites_one_line_and_finish_ends_it(tmp_path):
 
 def test_line_without_optional_keys():
     assert progress_line({"learner/step": 5}, 10, []) == "step 5/10 (50%)"
+
+
+def test_last_step_seconds_from_learner_rows_only(tmp_path):
+    """The stop grace is sized from this: eval rows (no learner/step) in between do not count."""
+    path = tmp_path / "metrics.jsonl"
+    p = Progress(path, total_steps=10, out=io.StringIO(), tty=False)
+    assert p.last_step_s() is None
+    rows = [{"learner/step": 1, "wall_s": 40.0}, {"eval/accuracy": 0.2, "wall_s": 55.0},
+            {"learner/step": 2, "wall_s": 95.5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert p.last_step_s() == 55.5

@@ -77,13 +77,13 @@ def test_hub_id_passes_dry_run_and_ep_is_checked_against_its_experts(tmp_path, m
 
 
 def test_every_problem_is_one_line(capsys, tmp_path):
-    lines = problems_of(capsys, "--learners", "3", "model.path=/nonexistent", f"rollout.prompt_file={tmp_path}/p.jsonl",
+    lines = problems_of(capsys, "--learners", "3", "model.path=/nonexistent", f"data.path={tmp_path}/p.jsonl",
                         "rollout.rewards=task=1,json:no_such_fn,no_such_pkg_xyz.mod:f",
                         "rollout.reward_model=json.decoder:NaN", "learner.ep=2")
     text = "\n".join(lines)
     assert len(lines) == 6, text
     assert "'model.path' = '/nonexistent'" in lines[0]
-    assert "'rollout.prompt_file'" in text and "no such file" in text
+    assert "'data.path'" in text and "no such file" in text
     assert "'json:no_such_fn': module 'json' has no attribute 'no_such_fn'" in text
     assert "cannot import 'no_such_pkg_xyz.mod' (ModuleNotFoundError" in text
     assert "rollout.reward_model" in text and "not callable" in text
@@ -93,8 +93,8 @@ def test_every_problem_is_one_line(capsys, tmp_path):
 def test_input_fields_cover_any_section_by_name(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1=", "answer": "1"}\n')
-    cfg = load_config("configs/tiny.yaml", [f"rollout.prompt_file={prompts}", "rollout.rewards=task=1,json:loads"])
-    assert ("rollout.prompt_file", str(prompts)) in list(input_fields(cfg))
+    cfg = load_config("configs/tiny.yaml", [f"data.path={prompts}", "rollout.rewards=task=1,json:loads"])
+    assert ("data.path", str(prompts)) in list(input_fields(cfg))
     assert preflight(cfg, learner_world=2) == []
     assert preflight(load_config("configs/tiny.yaml", ["learner.ep=4"]), learner_world=4) == []  # 4 experts
     assert preflight(load_config("configs/tiny.yaml", ["learner.ep=4"]), learner_world=2) != []

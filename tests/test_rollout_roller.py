@@ -11,7 +11,7 @@ from streamrl.engines.hf import HFEngine
 from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.models.factory import build_model
 from streamrl.tasks import get_task
-from streamrl.tasks.sources import prompt_source
+from streamrl.tasks.registry import problem_stream
 from streamrl.trajectory import validate_trajectories
 from streamrl.workers.rollout import BatchRoller, PromptEncoder
 
@@ -27,7 +27,7 @@ def test_batch_is_valid_with_version_rewards_and_routing(repo, monkeypatch):
     model, tok = build_model(cfg.model, seed=0)
     engine = build_engine(cfg, model, tok)
     task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
-    roller = BatchRoller(cfg, engine, tok, prompt_source(task, "", 0, 0, 1), worker_id=3)
+    roller = BatchRoller(cfg, engine, tok, problem_stream(task, 0, 0, 1), worker_id=3)
     td = roller.rollout_batch(version=7)
     validate_trajectories(td)
     n_resp = int(td["response_lens"].sum())

@@ -1,4 +1,4 @@
-"""Prompt sources: sharded task generators and JSONL files."""
+"""Prompt sources: sharded task generators and JSONL files (``data.path``)."""
 from __future__ import annotations
 
 import itertools
@@ -6,8 +6,15 @@ import json
 
 import pytest
 
+from streamrl.config import ConfigError, load_config
 from streamrl.tasks import get_task
-from streamrl.tasks.sources import jsonl_stream, prompt_source, read_jsonl_problems
+from streamrl.tasks.datasets import load_problems
+from streamrl.tasks.registry import problem_stream
+from streamrl.tasks.sources import jsonl_stream
+
+
+def read_jsonl_problems(path):
+    return load_problems(path, field="data.path")
 
 
 def _write(tmp_path, rows):
@@ -40,12 +47,17 @@ def test_bad_jsonl_names_file_and_line(tmp_path, text, match):
 
 
 def test_missing_file_names_the_field():
-    with pytest.raises(ValueError, match="rollout.prompt_file"):
-        prompt_source(None, "/nonexistent.jsonl", 0, 0, 1)
+    with pytest.raises(ValueError, match="data.path"):
+        read_jsonl_problems("/nonexistent.jsonl")
+
+
+def test_old_prompt_file_key_names_its_replacement():
+    with pytest.raises(ConfigError, match="'rollout.prompt_file' was replaced by 'data.path'"):
+        load_config("configs/tiny.yaml", ["rollout.prompt_file=p.jsonl"])
 
 
 def test_task_generator_shards_differ():
     task = get_task("arithmetic", num_digits=2)
-    a = [p.prompt for p in itertools.islice(prompt_source(task, "", 0, 0, 2), 20)]
-    b = [p.prompt for p in itertools.islice(prompt_source(task, "", 0, 1, 2), 20)]
-    assert a != b and a == [p.prompt for p in itertools.islice(prompt_source(task, "", 0, 0, 2), 20)]
+    a = [p.prompt for p in itertools.islice(problem_stream(task, 0, 0, 2), 20)]
+    b = [p.prompt for p in itertools.islice(problem_stream(task, 0, 1, 2), 20)]
+    assert a != b and a == [p.prompt for p in itertools.islice(problem_stream(task, 0, 0, 2), 20)]

@@ -12,16 +12,10 @@ reaches the rewards in ``Problem.fields``).
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Iterator
 
 from streamrl.tasks.datasets import load_problems
 from streamrl.tasks.registry import Problem, problem_stream
-
-
-def read_jsonl_problems(path: str | Path) -> list[Problem]:
-    """All problems of a prompt file with ``prompt``/``answer`` columns; errors name the file and line."""
-    return load_problems(path, field="rollout.prompt_file")
 
 
 def jsonl_stream(problems: list[Problem], seed: int, shard: int, num_shards: int) -> Iterator[Problem]:
@@ -38,18 +32,11 @@ def jsonl_stream(problems: list[Problem], seed: int, shard: int, num_shards: int
         epoch += 1
 
 
-def prompt_source(task, prompt_file: str, seed: int, shard: int, num_shards: int) -> Iterator[Problem]:
-    """The worker's problem stream: the prompt file when given, else the task generator."""
-    if prompt_file:
-        return jsonl_stream(read_jsonl_problems(prompt_file), seed, shard, num_shards)
-    return problem_stream(task, seed, shard, num_shards)
-
-
 def build_prompt_source(cfg, task, seed: int, shard: int, num_shards: int) -> Iterator[Problem]:
     """The problem stream a :class:`~streamrl.config.Config` asks for: ``data.path`` with its
-    field mapping, else ``rollout.prompt_file``, else the task generator."""
+    field mapping, else the task generator."""
     d = cfg.data
     if d.path:
         problems = load_problems(d.path, d.prompt_key, d.answer_key, d.split, field="data.path")
         return jsonl_stream(problems, seed, shard, num_shards)
-    return prompt_source(task, cfg.rollout.prompt_file, seed, shard, num_shards)
+    return problem_stream(task, seed, shard, num_shards)
