@@ -36,8 +36,8 @@ from streamrl.config import Config, load_config
 from streamrl.rewards import CombinedReward, build_reward, response_texts
 from streamrl.tasks import build_task
 from streamrl.tasks.datasets import load_problems
+from streamrl.tasks.prompts import PromptEncoder
 from streamrl.tasks.registry import Problem, eval_problems
-from streamrl.workers.rollout import PromptEncoder
 
 CORRECT = 1.0 - 1e-6  # a response is correct when its eval reward reaches 1 (float slack)
 EVAL_FILE = "eval.json"  # RUN_DIR/eval.json: the evaluator's latest and best rows
@@ -92,7 +92,7 @@ def evaluate(model, tok, problems: list[Problem], reward: CombinedReward, *, cha
     gen = torch.Generator().manual_seed(seed)
     for lo in range(0, len(problems), batch_size):
         chunk = problems[lo: lo + batch_size]
-        ids = [encode(p.prompt) for p in chunk]
+        ids = [encode.problem(p) for p in chunk]
         texts = [t[0] for t in decode(model, tok, ids, max_new_tokens=max_new_tokens)]
         greedy += reward.score(chunk, texts)[0]
         if samples > 0:

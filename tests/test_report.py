@@ -76,3 +76,22 @@ def test_cli_errors_and_output(tmp_path, python, capsys):
     write_run(tmp_path / "run", steps=5)
     assert main([str(tmp_path / "run"), "--out", str(tmp_path / "o")]) == 0  # in-process: matplotlib is loaded
     assert "steps 5" in capsys.readouterr().out and (tmp_path / "o" / "moe.png").stat().st_size > 5000
+
+
+def test_eval_rows_are_plotted_apart_from_learner_steps(tmp_path):
+    """The evaluator appends eval/* rows to the same metrics.jsonl: they are no learner steps."""
+    write_run(tmp_path / "run", steps=20)
+    evals = [{"eval/version": v, "eval/accuracy": a, "time": 1000.0 + v} for v, a in ((0, 0.16), (10, 0.3), (20, 0.42))]
+    with open(tmp_path / "run" / "metrics.jsonl", "r+") as f:
+        text = f.read().rsplit("\n", 1)[0] + "\n"  # drop the torn tail, then interleave eval rows
+        lines = text.splitlines()
+        lines[5:5] = [json.dumps(evals[0])]
+        lines.extend(json.dumps(e) for e in evals[1:])
+        f.seek(0)
+        f.write("\n".join(lines) + "\n")
+        f.truncate()
+    rep = build_report(tmp_path / "run")
+    assert rep["data"]["reward"]["held-out accuracy vs version"] == ([0.0, 10.0, 20.0], [0.16, 0.3, 0.42])
+    assert len(rep["data"]["reward"]["reward vs samples"][0]) == 20
+    assert "steps 20," in rep["summary"]
+    assert "held-out accuracy 0.16 at version 0 -> 0.42 at version 20 (best 0.42, 3 evaluations)" in rep["summary"]

@@ -13,7 +13,8 @@ from streamrl.models.factory import build_model
 from streamrl.tasks import get_task
 from streamrl.tasks.registry import problem_stream
 from streamrl.trajectory import validate_trajectories
-from streamrl.workers.rollout import BatchRoller, PromptEncoder
+from streamrl.tasks.prompts import PromptEncoder
+from streamrl.workers.rollout import BatchRoller
 
 
 def _cfg(*extra):

@@ -38,6 +38,7 @@ from streamrl.rewards import build_reward, response_texts, token_rewards
 from streamrl.roles.launch import reward_role_configured
 from streamrl.roles.reward_wire import ENDPOINT as REWARD_ENDPOINT
 from streamrl.tasks import build_task
+from streamrl.tasks.prompts import PromptEncoder
 from streamrl.tasks.sources import build_prompt_source
 from streamrl.trajectory import make_id, pack_trajectories
 from streamrl.transport.channel import TrajectorySender
@@ -48,22 +49,6 @@ from streamrl.weights.layout import ChecksumError
 HEARTBEAT_S = 1.0
 # In-flight updates: the Redis look-up for a newer version runs at most this often.
 INFLIGHT_POLL_S = 0.05
-
-
-class PromptEncoder:
-    """Text -> prompt token ids, through the chat template for instruct models."""
-
-    def __init__(self, tok, chat_template: bool):
-        self.tok = tok
-        self.chat = chat_template and getattr(tok, "chat_template", None) is not None
-
-    def __call__(self, text: str, raw: bool = False) -> list[int]:
-        if self.chat and not raw:
-            ids = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-            return list(ids)
-        return self.tok.encode(text, add_special_tokens=False)
 
 
 class BatchRoller:
@@ -89,7 +74,7 @@ class BatchRoller:
         rc = self.cfg.rollout
         started = time.time()
         problems = [next(self.problems) for _ in range(rc.prompts_per_batch)]
-        prompt_ids = [self.encode(p.prompt) for p in problems]
+        prompt_ids = [self.encode.problem(p) for p in problems]
         flat_prompts = [ids for ids in prompt_ids for _ in range(rc.group_size)]
         if between_steps is None and rc.inflight_updates:
             between_steps = _no_update  # same engine path as the worker's (the benchmark measures it)

@@ -1,6 +1,7 @@
 """``streamrl-report RUN_DIR``: PNG plots and a short text summary of a finished (or running) run.
 
-Reads ``RUN_DIR/metrics.jsonl`` (one line per learner step) and ``summary.json`` if present;
+Reads ``RUN_DIR/metrics.jsonl`` (one line per learner step, plus the evaluator's ``eval/*`` rows
+when ``eval.interval`` is set) and ``summary.json`` if present;
 writes into ``RUN_DIR/report/`` (or ``--out``): ``reward.png`` (vs samples and vs time),
 ``throughput.png``, ``staleness.png``, ``weights.png``, ``moe.png``, ``summary.txt`` and
 ``report.json`` (the exact series drawn, so scripts and tests can check what the plots show).
@@ -30,6 +31,11 @@ def load_metrics(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             print(f"streamrl-report: {path}:{i + 1}: unreadable line skipped", file=sys.stderr)
     return rows
+
+
+def split_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(learner step rows, evaluation rows): the evaluator appends its rows to the same file."""
+    return [r for r in rows if "learner/step" in r], [r for r in rows if "eval/version" in r]
 
 
 def col(rows: list[dict], key: str, x: str = "learner/step") -> tuple[list[float], list[float]]:
@@ -67,12 +73,14 @@ def cumulative(rows: list[dict], key: str) -> list[dict]:
 
 def build_data(rows: list[dict], summary: dict | None) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
     """Every series per plot: {plot: {label: (xs, ys)}}."""
+    rows, evals = split_rows(rows)
     t0 = rows[0].get("time", 0.0) - rows[0].get("learner/step_s", 0.0) if rows else 0.0
     rows = [{**r, "rel_time": r.get("time", t0) - t0} for r in cumulative(rows, "learner/trained_tokens")]
     w = max(1, min(len(rows) - 1, max(3, len(rows) // 15)))  # smooths bursty arrivals
     data: dict = {p: {} for p in PLOTS}
     data["reward"]["reward vs samples"] = col(rows, "learner/reward_mean", x="learner/samples")
     data["reward"]["reward vs time"] = col(rows, "learner/reward_mean", x="rel_time")
+    data["reward"]["held-out accuracy vs version"] = col(evals, "eval/accuracy", x="eval/version")
     data["throughput"]["trained trajectories/s"] = rolling_rate(rows, "learner/samples", w)
     data["throughput"]["trained tokens/s"] = rolling_rate(rows, "learner/trained_tokens_cum", w)
     data["throughput"]["received trajectories/s"] = rolling_rate(rows, "transport/trajectories", w)
@@ -108,11 +116,15 @@ def plot(name: str, series: dict[str, tuple[list[float], list[float]]]):
             ax.plot(*series[label], label=label, **kw)
 
     if name == "reward":
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        evals = "held-out accuracy vs version" in series
+        fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(16 if evals else 11, 4))
         line(axes[0], "reward vs samples")
         axes[0].set(xlabel="trained samples", ylabel="reward mean", title="reward vs samples")
         line(axes[1], "reward vs time", color="tab:orange")
         axes[1].set(xlabel="seconds since first step", ylabel="reward mean", title="reward vs time")
+        if evals:
+            line(axes[2], "held-out accuracy vs version", color="tab:green", marker="o")
+            axes[2].set(xlabel="policy version", ylabel="greedy accuracy", title="held-out evaluation")
     elif name == "throughput":
         fig, axes = plt.subplots(1, 3, figsize=(15, 4))
         line(axes[0], "trained trajectories/s")
@@ -158,6 +170,7 @@ def plot(name: str, series: dict[str, tuple[list[float], list[float]]]):
 
 
 def summary_text(run_dir: Path, rows: list[dict], summary: dict | None) -> str:
+    rows, evals = split_rows(rows)
     s = summary or {}
     last = rows[-1] if rows else {}
     wall = s.get("wall_s", last.get("wall_s"))
@@ -181,6 +194,10 @@ def summary_text(run_dir: Path, rows: list[dict], summary: dict | None) -> str:
     if step_s:
         lines.append(f"learner step {1000 * statistics.median(step_s):.1f} ms median, "
                      f"idle {100 * idle / max(idle + busy, 1e-9):.0f} % of the time")
+    if evals:
+        acc = [r["eval/accuracy"] for r in evals]
+        lines.append(f"held-out accuracy {f(acc[0])} at version {evals[0]['eval/version']} -> {f(acc[-1])} at "
+                     f"version {evals[-1]['eval/version']} (best {f(max(acc))}, {len(evals)} evaluations)")
     hist = s.get("staleness_histogram")
     lines.append(f"staleness: mean lag {f(statistics.fmean([r['learner/staleness_mean'] for r in rows if 'learner/staleness_mean' in r] or [0]))}"
                  f", histogram {hist if hist else '-'}, dropped stale {f(s.get('samples_dropped_stale', last.get('learner/samples_dropped_stale')))}")
@@ -211,7 +228,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     if not path.is_file():
         raise ValueError(f"run dir {str(run_dir)!r}: no metrics.jsonl (has the learner run a step?)")
     rows = load_metrics(path)
-    if not rows:
+    if not split_rows(rows)[0]:
         raise ValueError(f"{path}: no learner steps recorded yet")
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else None
     out = Path(out_dir) if out_dir else run_dir / "report"

@@ -1,0 +1,33 @@
+"""Problem -> prompt token ids, the one encoding the rollout workers and the evaluator share."""
+from __future__ import annotations
+
+from streamrl.tasks.registry import Problem
+
+
+class PromptEncoder:
+    """Prompts as token ids, through the tokenizer's chat template for instruct models.
+
+    A problem that came as a conversation (``Problem.messages``: a dataset row's system / few-shot
+    / user turns) is rendered whole by the chat template; without a template only its last user
+    message (``Problem.prompt``) is used, as plain text.
+    """
+
+    def __init__(self, tok, chat_template: bool):
+        self.tok = tok
+        self.chat = chat_template and getattr(tok, "chat_template", None) is not None
+
+    def __call__(self, text: str, raw: bool = False) -> list[int]:
+        """One user message (``raw``: the text's own tokens, no template)."""
+        if self.chat and not raw:
+            return self._template([{"role": "user", "content": text}])
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def problem(self, p: Problem) -> list[int]:
+        """A problem's prompt: its whole conversation when it has one and the template is on."""
+        if self.chat and p.messages:
+            return self._template([dict(m) for m in p.messages])
+        return self(p.prompt)
+
+    def _template(self, messages: list[dict]) -> list[int]:
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
