@@ -1,0 +1,163 @@
+"""Sharded start (model.load = sharded): meta-device build, EP + FSDP2 on meta, per-rank shard
+loading from the HF safetensors folder. Every full parameter gathered after loading equals the
+HF model's tensor exactly, logits equal, ties and buffers survive, and no rank holds the model."""
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3MoeConfig
+
+from streamrl.config import ConfigError, ModelConfig
+from streamrl.models.factory import load_model_and_tokenizer
+from streamrl.models.families import probe_ids, reference_logits
+from streamrl.models.moe import convert_moe_blocks
+from streamrl.models.sharded_load import has_meta_params
+from streamrl.models.tokenizer import build_char_tokenizer
+from streamrl.parallel.expert_parallel import full_parameters, parallelize
+from streamrl.parallel.mesh import build_mesh
+from streamrl.parallel.testing import spawn_gloo
+
+SMOL = Path(__file__).resolve().parents[1] / "models" / "smol"
+_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=32, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2)
+
+
+def _write_model(folder: Path, family: str, seed: int = 0, **over) -> Path:
+    """A tiny random HF model of ``family`` saved as safetensors + tokenizer into ``folder``."""
+    if family == "llama":
+        cfg = LlamaConfig(**{**_COMMON, "tie_word_embeddings": True, **over})
+    elif family == "mixtral":
+        cfg = MixtralConfig(**{**_COMMON, "num_local_experts": 4, "num_experts_per_tok": 2,
+                               "tie_word_embeddings": True, **over})
+    else:
+        cfg = Qwen3MoeConfig(**{**_COMMON, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+                                "tie_word_embeddings": False, **over})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # spread the routers so every expert gets tokens in the logits check
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0, 1.0)
+    model.save_pretrained(folder)
+    build_char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _reference(folder: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The HF model's parameters under our names/layout (experts fused, ep = 1), and its logits."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    logits = reference_logits(model, probe_ids(model.config.vocab_size))
+    convert_moe_blocks(model)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, logits
+
+
+def _sharded_worker(rank, world, folder, ep):
+    cfg = ModelConfig(path=str(folder))
+    model, _ = load_model_and_tokenizer(cfg, defer_weights=True)
+    assert has_meta_params(model)
+    num_experts = int(getattr(model.config, "num_local_experts", 0) or getattr(model.config, "num_experts", 0) or 0)
+    mesh = build_mesh(ep, "cpu", num_experts)
+    parallelize(model, mesh, torch.device("cpu"))
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    params = dict(full_parameters(model, mesh))
+    logits = reference_logits(model, probe_ids(model.config.vocab_size))
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return {"params": params, "logits": logits, "tied": tied, "buffers": buffers}
+
+
+def _check(folder: Path, outs: list[dict]) -> None:
+    ref, ref_logits = _reference(folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ref_buffers = dict(hf.named_buffers())
+    for out in outs:
+        assert out["params"].keys() == ref.keys()
+        for name, t in ref.items():
+            assert torch.equal(out["params"][name], t), name  # bit-exact
+        assert out["tied"] == bool(hf.config.tie_word_embeddings)
+        for name, b in out["buffers"].items():
+            assert torch.equal(b, ref_buffers[name]), name
+        torch.testing.assert_close(out["logits"], ref_logits, atol=1e-5, rtol=0)
+
+
+def test_dense_one_rank_in_process(tmp_path):
+    folder = _write_model(tmp_path / "llama", "llama")
+    cfg = ModelConfig(path=str(folder))
+    model, _ = load_model_and_tokenizer(cfg, defer_weights=True)
+    parallelize(model, build_mesh(), torch.device("cpu"))
+    assert not has_meta_params(model)
+    _check(folder, [{"params": dict(model.named_parameters()), "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+                     "logits": reference_logits(model, probe_ids(model.config.vocab_size)),
+                     "buffers": dict(model.named_buffers())}])
+
+
+def test_dense_two_ranks(tmp_path):
+    folder = _write_model(tmp_path / "llama", "llama", hidden_size=96)  # rows that do not split evenly
+    _check(folder, spawn_gloo(_sharded_worker, 2, folder, 1))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_ep2_two_ranks(tmp_path, family):
+    folder = _write_model(tmp_path / family, family)
+    _check(folder, spawn_gloo(_sharded_worker, 2, folder, 2))
+
+
+def test_full_load_mode_and_random_init_are_unchanged(tmp_path):
+    folder = _write_model(tmp_path / "llama", "llama")
+    model, _ = load_model_and_tokenizer(ModelConfig(path=str(folder), load="full"), defer_weights=True)
+    assert not has_meta_params(model)
+    a, _ = load_model_and_tokenizer(ModelConfig(), seed=3, defer_weights=True)
+    b, _ = load_model_and_tokenizer(ModelConfig(), seed=3)
+    assert not has_meta_params(a)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    with pytest.raises(ConfigError, match="model.load"):
+        ModelConfig(load="lazy").validate("model")
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _write_model(tmp_path / "llama", "llama")
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    model, _ = load_model_and_tokenizer(ModelConfig(path=str(folder)), defer_weights=True)
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        parallelize(model, build_mesh(), torch.device("cpu"))
+
+
+def _peak_worker(rank, world, folder, load):
+    """Peak RSS growth (bytes) of this rank while the learner model is built and sharded."""
+    import gc
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model, _ = load_model_and_tokenizer(ModelConfig(path=str(folder), load=load), defer_weights=True)
+    parallelize(model, build_mesh(1, "cpu", 0), torch.device("cpu"), check_logits=False)
+    gc.collect()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+
+
+@pytest.mark.slow
+def test_sharded_start_never_holds_the_whole_model(tmp_path):
+    # ~200 MB of fp32 weights: large next to the ~0.1 GB noise of a process's own allocations
+    folder = _write_model(tmp_path / "big", "llama", vocab_size=32768, hidden_size=512, intermediate_size=2048,
+                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    size = (folder / "model.safetensors").stat().st_size
+    # Warm the page cache so both runs read the file the same way.
+    (folder / "model.safetensors").read_bytes()
+    sharded = spawn_gloo(_peak_worker, 2, folder, "sharded")
+    full = spawn_gloo(_peak_worker, 2, folder, "full")
+    assert max(sharded) < 0.7 * size, (sharded, size)
+    assert min(full) > 0.9 * size, (full, size)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SMOL / "config.json").is_file(), reason="models/smol not prepared (streamrl-prepare-model)")
+def test_smollm2_two_ranks_bit_exact():
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _check(SMOL, spawn_gloo(_sharded_worker, 2, SMOL, 1, timeout_s=300))
