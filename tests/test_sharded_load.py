@@ -3,7 +3,6 @@ loading from the HF safetensors folder. Every full parameter gathered after load
 HF model's tensor exactly, logits equal, ties and buffers survive, and no rank holds the model."""
 from __future__ import annotations
 
-import os
 import resource
 from pathlib import Path
 
@@ -57,18 +56,25 @@ def _reference(folder: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}, logits
 
 
-def _sharded_worker(rank, world, folder, ep):
-    cfg = ModelConfig(path=str(folder))
-    model, _ = load_model_and_tokenizer(cfg, defer_weights=True)
+def _load_sharded(folder: Path, ep: int) -> dict:
+    model, _ = load_model_and_tokenizer(ModelConfig(path=str(folder)), defer_weights=True)
     assert has_meta_params(model)
-    num_experts = int(getattr(model.config, "num_local_experts", 0) or getattr(model.config, "num_experts", 0) or 0)
-    mesh = build_mesh(ep, "cpu", num_experts)
+    mesh = build_mesh(ep, "cpu", _num_experts(model.config))
     parallelize(model, mesh, torch.device("cpu"))
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    params = dict(full_parameters(model, mesh))
-    logits = reference_logits(model, probe_ids(model.config.vocab_size))
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
-    return {"params": params, "logits": logits, "tied": tied, "buffers": buffers}
+    assert not has_meta_params(model)
+    return {"params": dict(full_parameters(model, mesh)),
+            "logits": reference_logits(model, probe_ids(model.config.vocab_size)),
+            "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+            "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+
+
+def _num_experts(cfg) -> int:
+    return next((int(getattr(cfg, a)) for a in ("num_local_experts", "num_experts", "n_routed_experts")
+                 if getattr(cfg, a, None)), 0)
+
+
+def _sharded_worker(rank, world, jobs):
+    return [_load_sharded(folder, ep) for folder, ep in jobs]
 
 
 def _check(folder: Path, outs: list[dict]) -> None:
@@ -85,26 +91,33 @@ def _check(folder: Path, outs: list[dict]) -> None:
         torch.testing.assert_close(out["logits"], ref_logits, atol=1e-5, rtol=0)
 
 
-def test_dense_one_rank_in_process(tmp_path):
-    folder = _write_model(tmp_path / "llama", "llama")
-    cfg = ModelConfig(path=str(folder))
-    model, _ = load_model_and_tokenizer(cfg, defer_weights=True)
-    parallelize(model, build_mesh(), torch.device("cpu"))
-    assert not has_meta_params(model)
-    _check(folder, [{"params": dict(model.named_parameters()), "tied": model.lm_head.weight is model.model.embed_tokens.weight,
-                     "logits": reference_logits(model, probe_ids(model.config.vocab_size)),
-                     "buffers": dict(model.named_buffers())}])
+def _write_family(folder: Path, family: str) -> Path:
+    """The tiny models of the MoE support matrix (tests/test_moe_families.py), saved."""
+    from test_moe_families import _model
+
+    _model(family).save_pretrained(folder)
+    build_char_tokenizer().save_pretrained(folder)
+    return folder
 
 
-def test_dense_two_ranks(tmp_path):
-    folder = _write_model(tmp_path / "llama", "llama", hidden_size=96)  # rows that do not split evenly
-    _check(folder, spawn_gloo(_sharded_worker, 2, folder, 1))
+@pytest.mark.parametrize("family", ["llama", "mixtral", "deepseek_v3"])
+def test_one_rank_in_process(tmp_path, family):
+    folder = (_write_model(tmp_path / family, family) if family != "deepseek_v3"
+              else _write_family(tmp_path / family, family))
+    _check(folder, [_load_sharded(folder, 1)])
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_moe_ep2_two_ranks(tmp_path, family):
-    folder = _write_model(tmp_path / family, family)
-    _check(folder, spawn_gloo(_sharded_worker, 2, folder, 2))
+def test_two_ranks_dense_and_moe_ep2(tmp_path):
+    """One 2-rank run loads: a tied dense Llama whose rows do not split evenly (FSDP pads), a
+    Mixtral (per-expert w1/w3/w2 under block_sparse_moe), a Qwen3-MoE and a Qwen2-MoE (shared
+    expert) with ep = 2."""
+    jobs = [(_write_model(tmp_path / "llama", "llama", hidden_size=96), 1),
+            (_write_model(tmp_path / "mixtral", "mixtral"), 2),
+            (_write_model(tmp_path / "qwen3_moe", "qwen3_moe"), 2),
+            (_write_family(tmp_path / "qwen2_moe", "qwen2_moe"), 2)]
+    outs = spawn_gloo(_sharded_worker, 2, jobs, timeout_s=300)
+    for i, (folder, _) in enumerate(jobs):
+        _check(folder, [o[i] for o in outs])
 
 
 def test_full_load_mode_and_random_init_are_unchanged(tmp_path):
@@ -159,5 +172,4 @@ def test_sharded_start_never_holds_the_whole_model(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not (SMOL / "config.json").is_file(), reason="models/smol not prepared (streamrl-prepare-model)")
 def test_smollm2_two_ranks_bit_exact():
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _check(SMOL, spawn_gloo(_sharded_worker, 2, SMOL, 1, timeout_s=300))
+    _check(SMOL, [o[0] for o in spawn_gloo(_sharded_worker, 2, [(SMOL, 1)], timeout_s=300)])

@@ -164,11 +164,28 @@ def _expert_rows(ckpt: SafetensorsFolder, family: str, name: str, lo: int, hi: i
                         for e in range(lo, hi)]) if hi > lo else None
 
 
-def _dense_rows(ckpt: SafetensorsFolder, family: str, name: str, lo: int, hi: int) -> torch.Tensor:
+def _checkpoint_key(ckpt: SafetensorsFolder, family: str, name: str) -> str | None:
+    """The checkpoint's key for our (transformers') tensor ``name``, or None."""
     for key in (name, name.replace(".mlp.", f".{_EXPERT_KEYS.get(family, _DEFAULT_EXPERT_KEYS)[0]}.", 1)):
         if key in ckpt:
-            return ckpt.rows(key, lo, hi)
-    raise ValueError(f"model folder {str(ckpt.folder)!r} has no tensor {name!r}")
+            return key
+    return None
+
+
+def _dense_rows(ckpt: SafetensorsFolder, family: str, name: str, lo: int, hi: int) -> torch.Tensor:
+    key = _checkpoint_key(ckpt, family, name)
+    if key is None:
+        raise ValueError(f"model folder {str(ckpt.folder)!r} has no tensor {name!r}")
+    return ckpt.rows(key, lo, hi)
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, buffer) of the buffers a state dict / checkpoint holds (DeepSeek's
+    ``e_score_correction_bias``), not the derived ones (rotary ``inv_freq``)."""
+    for mod_name, mod in model.named_modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                yield f"{mod_name}.{name}" if mod_name else name, b
 
 
 @torch.no_grad()
@@ -178,7 +195,7 @@ def materialize_and_load(model: nn.Module, folder: Path, device: torch.device, e
     fill this rank's part of each from the safetensors of ``folder``. Returns bytes read.
 
     Parameters that already had storage (a value head attached after :func:`build_empty_model`)
-    and all buffers keep their values. ``ep_rank`` / ``n_local_experts``: this rank's experts
+    keep their values; buffers keep theirs unless the checkpoint holds them (persistent ones). ``ep_rank`` / ``n_local_experts``: this rank's experts
     are ``[ep_rank * n_local, (ep_rank + 1) * n_local)`` of the checkpoint's.
     """
     from streamrl.parallel.expert_parallel import is_expert_param
@@ -197,6 +214,10 @@ def materialize_and_load(model: nn.Module, folder: Path, device: torch.device, e
         model.get_buffer(n).copy_(b)
     ckpt = SafetensorsFolder(folder)
     family = str(getattr(model.config, "model_type", ""))
+    for name, b in _persistent_buffers(model):  # small, replicated: read whole when saved
+        key = _checkpoint_key(ckpt, family, name)
+        if key is not None:
+            b.copy_(ckpt.whole(key))
     read = 0
     for name, p in model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
