@@ -3,7 +3,6 @@ loading from the HF safetensors folder. Every full parameter gathered after load
 HF model's tensor exactly, logits equal, ties and buffers survive, and no rank holds the model."""
 from __future__ import annotations
 
-import resource
 from pathlib import Path
 
 import pytest
@@ -120,6 +119,20 @@ def test_two_ranks_dense_and_moe_ep2(tmp_path):
         _check(folder, [o[i] for o in outs])
 
 
+def test_parameters_attached_with_storage_keep_their_values(tmp_path):
+    from streamrl.learner.critic import attach_value_head
+
+    folder = _write_model(tmp_path / "llama", "llama")
+    model, _ = load_model_and_tokenizer(ModelConfig(path=str(folder)), defer_weights=True)
+    head = attach_value_head(model)
+    with torch.no_grad():
+        head.proj.weight.fill_(0.5)
+        head.proj.bias.fill_(-2.0)
+    parallelize(model, build_mesh(), torch.device("cpu"))
+    assert torch.equal(head.proj.weight, torch.full_like(head.proj.weight, 0.5))
+    assert torch.equal(head.proj.bias, torch.tensor([-2.0]))
+
+
 def test_full_load_mode_and_random_init_are_unchanged(tmp_path):
     folder = _write_model(tmp_path / "llama", "llama")
     model, _ = load_model_and_tokenizer(ModelConfig(path=str(folder), load="full"), defer_weights=True)
@@ -144,15 +157,24 @@ def test_missing_tensor_is_named(tmp_path):
         parallelize(model, build_mesh(), torch.device("cpu"))
 
 
+def _peak_rss() -> int:
+    """Peak resident bytes of this process image (VmHWM; ``ru_maxrss`` would also count the
+    parent's peak from before the spawn's exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def _peak_worker(rank, world, folder, load):
     """Peak RSS growth (bytes) of this rank while the learner model is built and sharded."""
     import gc
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = _peak_rss()
     model, _ = load_model_and_tokenizer(ModelConfig(path=str(folder), load=load), defer_weights=True)
     parallelize(model, build_mesh(1, "cpu", 0), torch.device("cpu"), check_logits=False)
     gc.collect()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return _peak_rss() - before
 
 
 @pytest.mark.slow
@@ -173,3 +195,29 @@ def test_sharded_start_never_holds_the_whole_model(tmp_path):
 @pytest.mark.skipif(not (SMOL / "config.json").is_file(), reason="models/smol not prepared (streamrl-prepare-model)")
 def test_smollm2_two_ranks_bit_exact():
     _check(SMOL, [o[0] for o in spawn_gloo(_sharded_worker, 2, [(SMOL, 1)], timeout_s=300)])
+
+
+def test_trainer_sharded_start_with_value_head_and_reference_model(tmp_path):
+    """The learner's own start: a value head attached on the meta model keeps its init, the KL
+    reference model (a copy of the meta model) loads the same weights, and a step trains."""
+    from test_checkpoint import make_batch
+
+    from streamrl.config import load_config
+    from streamrl.learner.critic import value_head
+    from streamrl.learner.trainer import Trainer
+
+    folder = _write_model(tmp_path / "llama", "llama")
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(f"{repo}/configs/tiny.yaml", [f"run.run_dir={tmp_path}", f"model.path={folder}",
+                                                    "learner.loss=vtrace", "learner.kl_coef=0.1"])
+    torch.manual_seed(0)
+    tr = Trainer(cfg)
+    ref, _ = _reference(folder)
+    for model in (tr.model, tr.ref_model):
+        got = dict(model.named_parameters())
+        assert all(torch.equal(got[n], t) for n, t in ref.items())
+    head = list(value_head(tr.model).parameters())
+    assert head and all(torch.equal(p, torch.zeros_like(p)) for p in head)  # its zero init
+    metrics = tr.step(make_batch(300))
+    assert all(map(lambda v: v == v, metrics.values()))  # no NaN
+    assert not all(torch.equal(p, ref[n]) for n, p in tr.model.named_parameters() if n in ref)
