@@ -110,26 +110,28 @@ class SafetensorsFolder:
         if not files:
             raise ValueError(f"model folder {str(self.folder)!r} has no safetensors weights")
         self.key_file = files
-        self._open: dict[str, object] = {}
         self._safe_open = safe_open
 
     def __contains__(self, key: str) -> bool:
         return key in self.key_file
 
-    def _slice(self, key: str):
-        name = self.key_file[key]
-        if name not in self._open:
-            self._open[name] = self._safe_open(self.folder / name, "pt")
-        return self._open[name].get_slice(key)
+    def _read(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        # Opened per read: safetensors maps the file, and every page a mapping has touched counts
+        # in the process's resident memory until it is unmapped; closing after each tensor keeps
+        # a rank's footprint at its own shards instead of its shards twice.
+        with self._safe_open(self.folder / self.key_file[key], "pt") as f:
+            sl = f.get_slice(key)
+            if lo is None or not sl.get_shape():
+                return sl[:].clone()
+            return sl[lo:hi].clone()
 
     def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of the first dimension of tensor ``key`` (a 0-d tensor whole)."""
-        sl = self._slice(key)
-        return sl[lo:hi] if len(sl.get_shape()) else sl[:]
+        return self._read(key, lo, hi)
 
     def whole(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` (one expert's matrix: small next to the model)."""
-        return self._slice(key)[:]
+        return self._read(key)
 
 
 def _row_range(t: torch.Tensor) -> tuple[int, int]:
@@ -146,9 +148,12 @@ def _row_range(t: torch.Tensor) -> tuple[int, int]:
     return (offset[0], offset[0] + shape[0]) if t.dim() else (0, 0)
 
 
-def _expert_rows(ckpt: SafetensorsFolder, family: str, name: str, lo: int, hi: int) -> torch.Tensor:
+def _expert_rows(ckpt: SafetensorsFolder, family: str, name: str, lo: int, hi: int) -> torch.Tensor | None:
     """Experts ``[lo, hi)`` of our fused ``...experts.gate_up_proj`` [E, 2I, H] or
-    ``...experts.down_proj`` [E, H, I], from a fused or a per-expert checkpoint."""
+    ``...experts.down_proj`` [E, H, I], from a fused or a per-expert checkpoint (None if empty:
+    a rank FSDP gave no experts)."""
+    if hi <= lo:
+        return None
     if name in ckpt:
         return ckpt.rows(name, lo, hi)
     block, which = name.rsplit(".experts.", 1)
@@ -159,9 +164,9 @@ def _expert_rows(ckpt: SafetensorsFolder, family: str, name: str, lo: int, hi: i
         raise ValueError(f"model folder {str(ckpt.folder)!r}: no weights for {name} (neither a fused tensor "
                          f"nor per-expert {key.format(lo, down)!r})")
     if which == "down_proj":
-        return torch.stack([ckpt.whole(key.format(e, down)) for e in range(lo, hi)]) if hi > lo else None
+        return torch.stack([ckpt.whole(key.format(e, down)) for e in range(lo, hi)])
     return torch.stack([torch.cat([ckpt.whole(key.format(e, gate)), ckpt.whole(key.format(e, up))])
-                        for e in range(lo, hi)]) if hi > lo else None
+                        for e in range(lo, hi)])
 
 
 def _checkpoint_key(ckpt: SafetensorsFolder, family: str, name: str) -> str | None:
@@ -195,8 +200,9 @@ def materialize_and_load(model: nn.Module, folder: Path, device: torch.device, e
     fill this rank's part of each from the safetensors of ``folder``. Returns bytes read.
 
     Parameters that already had storage (a value head attached after :func:`build_empty_model`)
-    keep their values; buffers keep theirs unless the checkpoint holds them (persistent ones). ``ep_rank`` / ``n_local_experts``: this rank's experts
-    are ``[ep_rank * n_local, (ep_rank + 1) * n_local)`` of the checkpoint's.
+    keep their values; buffers keep theirs unless the checkpoint holds them (persistent ones).
+    ``ep_rank`` / ``n_local_experts``: this rank's experts are
+    ``[ep_rank * n_local, (ep_rank + 1) * n_local)`` of the checkpoint's.
     """
     from streamrl.parallel.expert_parallel import is_expert_param
 
