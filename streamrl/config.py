@@ -76,8 +76,11 @@ class ModelConfig:
     """Maximum sequence length."""
     dtype: str = "float32"
     """Parameter dtype: float32 or bfloat16."""
+    load: str = "sharded"
+    """Learner start from model.path: sharded (meta device, each rank reads only its shards) or full (every rank loads all, then shards)."""
 
     def validate(self, p: str) -> None:
+        _check(self.load in ("sharded", "full"), f"{p}.load", self.load, "must be sharded or full")
         for name in ("hidden_size", "expert_size"):
             v = getattr(self, name)
             _check(v > 0 and v % 32 == 0, f"{p}.{name}", v, "must be a positive multiple of 32")

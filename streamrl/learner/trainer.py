@@ -70,8 +70,9 @@ class Trainer:
                               "(the per-token rewards it is computed from)")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        # Same seed on every rank: identical initial weights before sharding.
-        model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
+        # Same seed on every rank: identical initial weights before sharding. An HF folder with
+        # model.load = sharded comes on the meta device; parallelize() loads each rank's shards.
+        model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed, defer_weights=True)
         self.tokenizer = tok
         self.pad_id = tok.pad_token_id
         self.device = torch.device("cpu")

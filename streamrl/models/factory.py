@@ -12,6 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from streamrl.config import ModelConfig
+from streamrl.models.resolve import resolve_model_path
+from streamrl.models.sharded_load import build_empty_model
 from streamrl.models.tokenizer import build_char_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -53,17 +55,25 @@ def build_model(cfg: ModelConfig, seed: int = 0):
     return model.to(_DTYPES[cfg.dtype]), tok
 
 
-def load_model_and_tokenizer(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, object]:
-    """Load from ``cfg.path`` (an HF folder) when set, else build the tiny model."""
+def load_model_and_tokenizer(cfg: ModelConfig, seed: int = 0, defer_weights: bool = False
+                             ) -> tuple[PreTrainedModel, object]:
+    """Load from ``cfg.path`` (an HF folder or a cached hub id) when set, else build the tiny model.
+
+    ``defer_weights`` (the learner): with ``model.load = sharded`` and a folder, the model comes
+    back with its parameters on the meta device and :func:`~streamrl.parallel.expert_parallel.parallelize`
+    loads each rank's shards, so no rank holds the whole model. Random-init models are always
+    built whole: their seeded init must be the same tensors on every rank before sharding, and
+    they are the tiny models of tests and demos.
+    """
     if not cfg.path:
         return build_model(cfg, seed)
-    folder = Path(cfg.path)
-    if not folder.is_dir():
-        raise ValueError(f"model.path = {cfg.path!r} is not a directory")
+    folder = resolve_model_path(cfg.path)
     tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if defer_weights and cfg.load == "sharded":
+        return build_empty_model(folder, _DTYPES[cfg.dtype]), tok
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[cfg.dtype])
     return model, tok
 

@@ -12,6 +12,10 @@
 
 :func:`full_parameters` yields full, global tensors one at a time (FSDP all-gather, then an
 all-gather of expert slices over ``ep``) for weight publishing.
+
+A model built by :func:`~streamrl.models.sharded_load.build_empty_model` (parameters on the
+meta device) goes through the same steps on meta, then each rank materialises and reads only
+its own shards from the HF folder (:func:`~streamrl.models.sharded_load.materialize_and_load`).
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from torch import nn
 
 from streamrl.models.families import check_converted_logits, moe_family, probe_ids, reference_logits
 from streamrl.models.moe import EPMoEBlock, convert_moe_blocks
+from streamrl.models.sharded_load import (WEIGHTS_FOLDER_ATTR, check_conversion_on_copy, has_meta_params,
+                                          materialize_and_load, model_bytes)
 from streamrl.parallel.mesh import LearnerMesh
 
 EXPERT_PARAM_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
@@ -58,6 +64,11 @@ def compile_decoder_layers(model: nn.Module) -> int:
     return len(layers)
 
 
+# Above this size (bytes of the whole model) a sharded start skips the MoE conversion logits
+# check: it needs one full copy of the model on each rank, which is what a sharded start avoids.
+CHECK_LOGITS_MAX_BYTES = 1 << 30
+
+
 def parallelize(model: nn.Module, mesh: LearnerMesh, device: torch.device, experts_impl: str = "auto",
                 mixed_precision: bool = True, compile_layers: bool = False, check_logits: bool = True
                 ) -> list[EPMoEBlock]:
@@ -67,11 +78,23 @@ def parallelize(model: nn.Module, mesh: LearnerMesh, device: torch.device, exper
     ``check_logits``: for an MoE, compare the parallel model's logits on a few probe tokens with
     the HF model's before conversion and raise a one-line ConfigError when they differ
     (:func:`~streamrl.models.families.check_converted_logits`); a collective with ``ep > 1``.
+    A model with meta parameters (a sharded start) is sharded on meta, then each rank loads
+    its shards; its logits check runs on a full CPU copy, only up to ``CHECK_LOGITS_MAX_BYTES``.
     """
     impl = experts_impl
     if impl == "auto":
         impl = "grouped_mm" if device.type == "cuda" else "loop"
     ep = mesh.dims.ep
+    if has_meta_params(model):
+        folder = getattr(model, WEIGHTS_FOLDER_ATTR)
+        if check_logits and moe_family(model.config) is not None:  # unsupported families raise here
+            check_conversion_on_copy(folder, next(model.parameters()).dtype, CHECK_LOGITS_MAX_BYTES,
+                                     model_bytes(model))
+        blocks = convert_moe_blocks(model, mesh.ep_rank, ep, mesh.ep_group, impl)
+        _shard(model, blocks, mesh, device, mixed_precision, compile_layers)
+        n_local = blocks[0].n_local if blocks else 0
+        materialize_and_load(model, folder, device, mesh.ep_rank, n_local)
+        return blocks
     probe = ref = None
     if check_logits and moe_family(model.config) is not None:  # unsupported families raise here
         probe = probe_ids(model.config.vocab_size)
@@ -90,7 +113,8 @@ def parallelize(model: nn.Module, mesh: LearnerMesh, device: torch.device, exper
 def _shard(model: nn.Module, blocks: list[EPMoEBlock], mesh: LearnerMesh, device: torch.device,
            mixed_precision: bool, compile_layers: bool) -> None:
     ep = mesh.dims.ep
-    model.to(device)
+    if not has_meta_params(model):  # meta parameters get their device in materialize_and_load
+        model.to(device)
     if compile_layers:
         compile_decoder_layers(model)
     if mesh.dims.world == 1:
