@@ -22,6 +22,7 @@ from streamrl.learner.trainer import Trainer
 from streamrl.models.factory import build_model, save_model
 from streamrl.roles.annotate import trajectory_roles
 from streamrl.roles.reference import ROLE
+from streamrl.roles.serve import parse_role_args
 from streamrl.roles.token_client import RoleServerError, RoleServerTimeout, TokenRoleClient
 from streamrl.roles.token_server import TokenRoleServer
 from streamrl.roles.token_wire import TOKEN_KEYS
@@ -169,3 +170,30 @@ def test_server_answers_a_failing_batch_with_an_error_and_goes_on():
         thread.join(10)
         server.close()
     assert server.metrics()["reference/errors"] == 1
+
+
+def test_dry_run_lists_one_process_per_role(capsys, repo, tmp_path):
+    """``streamrl-launch --dry-run --place reference=cpu --place critic=cpu --place reward=cpu``:
+    one server process per role, each command parsed by its real entry point, each on cpu."""
+    import json
+
+    from streamrl.launcher import launch
+    from streamrl.workers import critic_server, reference_server, reward_server
+    from test_reward_role import _make_folder
+
+    rm = _make_folder(tmp_path / "rm", causal=False)
+    argv = ["--config", str(repo / "configs/tiny.yaml"), "--place", "reference=cpu", "--place", "critic=cpu",
+            "--place", "reward=cpu", "learner.kl_coef=0.05", "learner.advantage=gae", f"rollout.reward_model={rm}"]
+    assert launch.main([*argv, "--dry-run"]) == 0
+    procs = {p["name"]: p for p in json.loads(capsys.readouterr().out)["processes"]}
+    assert [n for n in procs if n in ("reward", "reference", "critic")] == ["reward", "reference", "critic"]
+    for name, entry in (("reward", reward_server), ("reference", reference_server), ("critic", critic_server)):
+        cmd = procs[name]["cmd"]
+        module = f"streamrl.workers.{name}_server"
+        args = (entry.parse_args if name == "reward" else lambda a, n=name: parse_role_args(n, a))(
+            cmd[cmd.index(module) + 1:])
+        assert args.device == "cpu" and procs[name]["devices"] == ["cpu"] and procs[name]["log"].endswith(f"{name}.log")
+    # without the placements (or without kl_coef / gae) the learner keeps them: no server processes
+    assert launch.main(["--config", str(repo / "configs/tiny.yaml"), "learner.kl_coef=0.05", "--dry-run"]) == 0
+    names = [p["name"] for p in json.loads(capsys.readouterr().out)["processes"]]
+    assert not {"reward", "reference", "critic"} & set(names)
