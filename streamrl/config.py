@@ -341,7 +341,7 @@ class LearnerConfig:
     vtrace_adv_norm: bool = True
     """loss = vtrace: whiten the per-token advantages over the batch (a baseline until the critic has one)."""
     advantage: str = "sequence"
-    """Advantages: sequence (GRPO), token (group-relative reward-to-go; needs rollout.token_rewards) or gae (critic role's values)."""
+    """Advantages: sequence (GRPO), token (reward-to-go; needs rollout.token_rewards) or gae (the critic role's values)."""
     max_tokens_per_microbatch: int = 2048
     """Token budget of one packed micro-batch (gradients accumulate over micro-batches; a longer sequence gets its own)."""
     shared_prompt: bool = False
@@ -440,7 +440,7 @@ class PlacementConfig:
     rollout: list[str] | None = None
     """Rollout workers' devices, dealt round-robin to a host's workers; null = rollout.device."""
     reference: list[str] | None = None
-    """Reference-model devices: its own server process, scoring each batch for the KL term; null = in the learner ranks."""
+    """Reference-model devices: its own server process scoring each batch; null = in the learner ranks."""
     reward: list[str] | None = None
     """Reward-model devices (hosted by rollout workers); null = the task's verifiable reward only."""
     critic: list[str] | None = None

@@ -16,6 +16,7 @@ import subprocess
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from streamrl.algorithms.advantages import gae_advantages
 from streamrl.config import load_config
@@ -142,7 +143,8 @@ def test_critic_survives_sigkill_and_resumes_from_its_checkpoint(critic_process,
     try:
         _train(roles, critic_cfg, rng, 40)
         ckpt = critic_checkpoint_path(critic_cfg)
-        saved = torch.load(ckpt, weights_only=True)["step"]
+        with safe_open(str(ckpt), framework="pt") as f:
+            saved = int(f.metadata()["step"])
         assert saved >= 35 and saved % CKPT_EVERY == 0
         procs[0].kill()
         procs[0].wait(10)
@@ -160,3 +162,27 @@ def test_critic_survives_sigkill_and_resumes_from_its_checkpoint(critic_process,
         assert _train(roles, critic_cfg, rng, 2) >= saved + 1
     finally:
         roles.close()
+
+
+def test_learner_gae_advantages_from_served_values(critic_cfg):
+    """``learner.advantage = gae``: the learner's advantages are the whitened GAE of the batch's
+    ``values`` (hand-checked on one row); a batch without values is an error naming the fix."""
+    from streamrl.learner.trainer import Trainer
+
+    td = scripted_batch(critic_cfg, random.Random(3), n=8)
+    td["values"] = torch.linspace(0.0, 1.0, td["response_tokens"].numel())
+    trainer = Trainer(critic_cfg)
+    grid = trainer._response_grid(td)
+    adv = trainer._advantages(td, grid)
+    assert adv.shape == grid.loss_mask.shape
+    raw, _ = gae_advantages(torch.tensor([[0.5, 0.25, 0.0]]), torch.tensor([1.0]), torch.tensor([3]), 1.0, 0.5)
+    # deltas: 0.25-0.5, 0-0.25, 1-0 -> A2 = 1, A1 = -0.25 + 0.5, A0 = -0.25 + 0.5 * 0.25
+    assert raw.tolist() == pytest.approx([[-0.125, 0.25, 1.0]])
+    m = grid.loss_mask.bool()
+    assert float(adv[m].mean()) == pytest.approx(0.0, abs=1e-5) and float(adv[m].std(unbiased=False)) == \
+        pytest.approx(1.0, abs=1e-3)
+    metrics = trainer.gradients(td)
+    assert metrics["learner/loss"] == metrics["learner/loss"]  # finite
+    del td["values"]
+    with pytest.raises(ValueError, match="placement.critic"):
+        trainer.gradients(td)

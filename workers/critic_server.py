@@ -3,7 +3,7 @@ rollout workers send it (see :mod:`streamrl.roles.critic`).
 
 Started by the launcher when ``placement.critic`` is set and ``learner.advantage = gae``;
 publishes the endpoint ``critic``, reports ``critic/*`` (throughput, value loss, explained
-variance, step) to the monitor, checkpoints to ``<checkpoint dir>/critic.pt`` and resumes from
+variance, step) to the monitor, checkpoints to ``<checkpoint dir>/critic.safetensors`` and resumes from
 it after a restart.
 
     python -m streamrl.workers.critic_server --redis-url redis://... --run-id R [--device cuda:2]

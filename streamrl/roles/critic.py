@@ -21,6 +21,7 @@ behind; they age with the trajectory, so the policy's ``learner.max_staleness`` 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
@@ -42,10 +43,10 @@ def critic_role_configured(cfg: Config) -> bool:
 
 
 def critic_checkpoint_path(cfg: Config) -> Path:
-    """``<checkpoint dir>/critic.pt`` (next to the learner's checkpoints)."""
+    """``<checkpoint dir>/critic.safetensors`` (next to the learner's checkpoints)."""
     from streamrl.learner.checkpoint import checkpoint_dir  # noqa: PLC0415 (torch.distributed pieces)
 
-    return checkpoint_dir(cfg) / "critic.pt"
+    return checkpoint_dir(cfg) / "critic.safetensors"
 
 
 class ValueModel(torch.nn.Module):
@@ -109,10 +110,7 @@ class CriticRole:
         self.pending: list[dict[str, torch.Tensor]] = []
         self.last: dict[str, float] = {}
         if checkpoint is not None and checkpoint.is_file():
-            state = torch.load(checkpoint, map_location=self.device, weights_only=True)
-            self.model.load_state_dict(state["model"])
-            self.optim.load_state_dict(state["optim"])
-            self.step = int(state["step"])
+            self._load(checkpoint)
             log.info("critic resumed from %s at step %d", checkpoint, self.step)
 
     def __call__(self, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -159,12 +157,35 @@ class CriticRole:
                 1.0 - var_r / var_g if var_g > 1e-12 else 0.0, "critic/value_mean": float((v * mask).sum() / n)}
 
     def save(self) -> None:
-        """Model + optimizer + step, written to a temporary file and renamed (never half-written)."""
+        """Model + AdamW state + step in one safetensors file (tensors only, no pickle), written
+        to a temporary file and renamed, so a SIGKILL never leaves a half-written checkpoint."""
+        from safetensors.torch import save_file  # noqa: PLC0415
+
         assert self.checkpoint is not None
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+        opt = self.optim.state_dict()
+        for idx, st in opt["state"].items():
+            tensors.update({f"optim.{idx}.{k}": torch.as_tensor(v).cpu().contiguous() for k, v in st.items()})
+        meta = {"step": str(self.step), "param_groups": json.dumps(opt["param_groups"])}
         tmp = self.checkpoint.with_suffix(".tmp")
-        torch.save({"model": self.model.state_dict(), "optim": self.optim.state_dict(), "step": self.step}, tmp)
+        save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, self.checkpoint)
+
+    def _load(self, path: Path) -> None:
+        from safetensors import safe_open  # noqa: PLC0415
+
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        self.model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for k, v in tensors.items():
+            if k.startswith("optim."):
+                _, idx, name = k.split(".", 2)
+                state.setdefault(int(idx), {})[name] = v
+        self.optim.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
+        self.step = int(meta["step"])
 
 
 def served_gae_advantages(batch, cc, loss_mask: torch.Tensor) -> torch.Tensor:
