@@ -177,7 +177,7 @@ def test_learner_gae_advantages_from_served_values(critic_cfg):
     assert adv.shape == grid.loss_mask.shape
     raw, _ = gae_advantages(torch.tensor([[0.5, 0.25, 0.0]]), torch.tensor([1.0]), torch.tensor([3]), 1.0, 0.5)
     # deltas: 0.25-0.5, 0-0.25, 1-0 -> A2 = 1, A1 = -0.25 + 0.5, A0 = -0.25 + 0.5 * 0.25
-    assert raw.tolist() == pytest.approx([[-0.125, 0.25, 1.0]])
+    assert raw[0].tolist() == pytest.approx([-0.125, 0.25, 1.0])
     m = grid.loss_mask.bool()
     assert float(adv[m].mean()) == pytest.approx(0.0, abs=1e-5) and float(adv[m].std(unbiased=False)) == \
         pytest.approx(1.0, abs=1e-3)
