@@ -252,13 +252,12 @@ def describe(launch: Launch) -> dict:
                       "env": r.env, "devices": [str(d) for d in r.devices],
                       "hosted": {k: [str(d) for d in v] for k, v in r.hosted.items()},
                       "log": str(launch.run_dir / "logs" / f"rollout-{wid}.log")})
-    from streamrl.roles.launch import PROCESS_NAME, reward_role_device, reward_server_cmd  # noqa: PLC0415
+    from streamrl.roles.launch import role_processes  # noqa: PLC0415
 
-    rm_device = reward_role_device(launch.cfg, a.node_rank)
-    if rm_device is not None:  # the reward-model role (started by runner._processes)
-        procs.append({"name": PROCESS_NAME, "env": dict(BASE_ENV), "devices": [rm_device],
-                      "cmd": reward_server_cmd(url, launch.run_id, rm_device, launch.bind_host, launch.advertise_host),
-                      "log": str(launch.run_dir / "logs" / "reward.log")})
+    for role in role_processes(launch.cfg, a.node_rank, url, launch.run_id, launch.bind_host,
+                               launch.advertise_host):  # the role servers (started by runner._processes)
+        procs.append({"name": role.name, "env": dict(BASE_ENV), "devices": [role.device], "cmd": role.cmd,
+                      "log": str(launch.run_dir / "logs" / f"{role.name}.log")})
     traj_host = launch.advertise_host or launch.bind_host
     return {
         "run_id": launch.run_id, "node_rank": a.node_rank, "nnodes": a.nnodes, "role": a.role, "head": launch.head,

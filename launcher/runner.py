@@ -141,12 +141,11 @@ def _processes(launch: Launch, url: str, state: RunState):
             "evaluator", [sys.executable, "-m", "streamrl.workers.evaluator", "--redis-url", url, "--run-id",
                           launch.run_id], logs / "evaluator.log", env=dict(BASE_ENV),
             max_restarts=launch.args.max_restarts, backoff_s=launch.args.restart_backoff, makes_batches=False))
-    from streamrl.roles.launch import PROCESS_NAME, reward_role_device, reward_server_cmd  # noqa: PLC0415 (one hunk)
+    from streamrl.roles.launch import role_processes  # noqa: PLC0415 (one hunk)
 
-    rm_device = reward_role_device(launch.cfg, launch.args.node_rank)
-    if rm_device is not None:  # the reward-model role: its own supervised process (streamrl.roles.launch)
-        rollers.append(ManagedProcess(
-            PROCESS_NAME, reward_server_cmd(url, launch.run_id, rm_device, launch.bind_host, launch.advertise_host),
-            logs / "reward.log", env=dict(BASE_ENV), max_restarts=launch.args.max_restarts,
-            backoff_s=launch.args.restart_backoff, makes_batches=False))
+    for role in role_processes(launch.cfg, launch.args.node_rank, url, launch.run_id, launch.bind_host,
+                               launch.advertise_host):  # reward/reference/critic servers: supervised like workers
+        rollers.append(ManagedProcess(role.name, role.cmd, logs / f"{role.name}.log", env=dict(BASE_ENV),
+                                      max_restarts=launch.args.max_restarts, backoff_s=launch.args.restart_backoff,
+                                      makes_batches=False))
     return learner, rollers

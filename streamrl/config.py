@@ -342,7 +342,7 @@ class LearnerConfig:
     vtrace_adv_norm: bool = True
     """loss = vtrace: whiten the per-token advantages over the batch (a baseline until the critic has one)."""
     advantage: str = "sequence"
-    """Advantages: sequence (GRPO, one per trajectory) or token (group-relative reward-to-go; needs rollout.token_rewards)."""
+    """Advantages: sequence (GRPO), token (reward-to-go; needs rollout.token_rewards) or gae (the critic role's values)."""
     max_tokens_per_microbatch: int = 2048
     """Token budget of one packed micro-batch (gradients accumulate over micro-batches; a longer sequence gets its own)."""
     shared_prompt: bool = False
@@ -383,8 +383,8 @@ class LearnerConfig:
         _check(0 < self.gamma <= 1, f"{p}.gamma", self.gamma, "must be in (0, 1]")
         _check(self.vtrace_rho_bar > 0, f"{p}.vtrace_rho_bar", self.vtrace_rho_bar, "must be > 0")
         _check(self.vtrace_c_bar > 0, f"{p}.vtrace_c_bar", self.vtrace_c_bar, "must be > 0")
-        _check(self.advantage in ("sequence", "token"), f"{p}.advantage", self.advantage,
-               "must be sequence or token")
+        _check(self.advantage in ("sequence", "token", "gae"), f"{p}.advantage", self.advantage,
+               "must be sequence, token or gae")
         _check(self.max_tokens_per_microbatch >= 1, f"{p}.max_tokens_per_microbatch", self.max_tokens_per_microbatch,
                "must be >= 1")
         _check(self.logprob_chunk_tokens >= 1, f"{p}.logprob_chunk_tokens", self.logprob_chunk_tokens, "must be >= 1")
@@ -441,11 +441,11 @@ class PlacementConfig:
     rollout: list[str] | None = None
     """Rollout workers' devices, dealt round-robin to a host's workers; null = rollout.device."""
     reference: list[str] | None = None
-    """Reference-policy model devices (hosted by the learner process); null = no reference model."""
+    """Reference-model devices: its own server process scoring each batch; null = in the learner ranks."""
     reward: list[str] | None = None
     """Reward-model devices (hosted by rollout workers); null = the task's verifiable reward only."""
     critic: list[str] | None = None
-    """Critic devices (hosted by the learner process); null = no critic (group-relative advantages)."""
+    """Critic devices: the critic role's own process (learner.advantage = gae); null = no separate critic."""
     colocate: list[list[str]] = field(default_factory=list)
     """Groups of roles allowed to share a GPU, e.g. [[learner, reference]]; other roles may not."""
     learner_threads: int = 0
@@ -459,6 +459,46 @@ class PlacementConfig:
         validate_placement_config(self, p)
         for name in ("learner_threads", "rollout_threads"):
             _check(getattr(self, name) >= 0, f"{p}.{name}", getattr(self, name), "must be >= 0 (0 = auto)")
+
+
+@dataclass
+class ReferenceConfig:
+    """The KL reference policy: colocated in the learner ranks (``placement.reference`` null) or
+    served by its own process on ``placement.reference`` (see :mod:`streamrl.roles`)."""
+
+    path: str = ""
+    """HF folder of the reference model (same tokenizer as the policy); empty = the initial policy."""
+    max_tokens: int = 8192
+    """Reference server: padded tokens (rows x longest sequence) per forward."""
+
+    def validate(self, p: str) -> None:
+        _check(self.max_tokens >= 1, f"{p}.max_tokens", self.max_tokens, "must be >= 1")
+
+
+@dataclass
+class CriticConfig:
+    """The critic role: a value model of its own, trained asynchronously by its own process on
+    ``placement.critic`` (see :mod:`streamrl.roles.critic`); ``learner.advantage = gae`` reads its values."""
+
+    path: str = ""
+    """HF folder of the critic's trunk (may be smaller than the policy; same tokenizer); empty = the initial policy."""
+    lr: float = 1e-4
+    """Critic AdamW learning rate."""
+    gamma: float = 1.0
+    """Per-token discount of the critic's targets and the learner's GAE advantages."""
+    lam: float = 0.95
+    """GAE lambda of the critic's lambda-return targets and the learner's GAE advantages."""
+    epochs: int = 1
+    """Critic optimizer steps on each batch it scores (after replying)."""
+    checkpoint_every: int = 10
+    """Critic steps between checkpoints (model + optimizer + step; a restarted critic resumes from it)."""
+
+    def validate(self, p: str) -> None:
+        _check(self.lr > 0, f"{p}.lr", self.lr, "must be > 0")
+        _check(0 < self.gamma <= 1, f"{p}.gamma", self.gamma, "must be in (0, 1]")
+        _check(0 <= self.lam <= 1, f"{p}.lam", self.lam, "must be in [0, 1]")
+        _check(self.epochs >= 1, f"{p}.epochs", self.epochs, "must be >= 1")
+        _check(self.checkpoint_every >= 1, f"{p}.checkpoint_every", self.checkpoint_every, "must be >= 1")
 
 
 @dataclass
@@ -505,11 +545,15 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
+        _check(self.learner.advantage != "gae" or bool(self.placement.critic), "learner.advantage",
+               self.learner.advantage, "gae needs the critic role: set placement.critic (e.g. [cpu])")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,9 +4,12 @@ The Hybrid model of HybridFlow/verl: a run declares its roles once — ``learner
 actor), ``rollout``, and optionally ``reference``, ``reward`` (a reward model) and
 ``critic`` — and places each on devices. Roles may share a GPU only when a
 ``placement.colocate`` group says so; learner ranks never share one (NCCL wants one GPU per
-rank). Two processes host the roles: the learner job hosts learner, reference and critic,
-each rollout worker hosts rollout and reward. A process sees exactly the GPUs of its roles
-through ``CUDA_VISIBLE_DEVICES``, so devices inside it are renumbered from 0.
+rank). The learner job and the rollout workers are the two main processes; ``reference``,
+``reward`` and ``critic``, when placed, also run as role servers of their own
+(:mod:`streamrl.roles.launch`), and are counted here with the process they serve (reference
+and critic with the learner, reward with the rollout workers) for the GPU-sharing rules. A
+process sees exactly the GPUs of its roles through ``CUDA_VISIBLE_DEVICES``, so devices inside
+it are renumbered from 0.
 
 Device strings: ``cpu``; ``cuda`` (every GPU of the host); ``cuda:N``; ``cuda:N-M``; any of
 them node-qualified, ``node1:cuda:0`` or ``node0-1:cuda:0-3`` (node = ``--node-rank``).
@@ -30,7 +33,7 @@ from streamrl.config import ConfigError
 
 ROLES = ("learner", "rollout", "reference", "reward", "critic")
 ALIASES = {"actor": "learner", "ref": "reference", "reward_model": "reward", "rm": "reward"}
-# Which process hosts a role's model.
+# Which main process a role belongs to (its GPUs count as that process's for colocation).
 HOST = {"learner": "learner", "reference": "learner", "critic": "learner", "rollout": "rollout", "reward": "rollout"}
 LAUNCH_ROLES = ("all", "learner", "rollout")
 

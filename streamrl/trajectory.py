@@ -41,6 +41,11 @@ routed_experts         int16       [R, L, k]              expert ids the router 
 token_rewards          float32     [R]                    reward credited to each response token
                                                           (``rollout.token_rewards``); sums to
                                                           ``reward`` per trajectory
+ref_logprobs           float32     [R]                    log pi_ref(token) from the reference role
+                                                          (``placement.reference``); the KL term
+values                 float32     [R]                    V at the position predicting each token,
+                                                          from the critic role (``placement.critic``)
+critic_version         int64       [B]                    critic optimizer steps behind ``values``
 =====================  ==========  =====================  ========================================
 
 ``policy_version`` is per token because weights can change in the middle of a generation
@@ -86,6 +91,9 @@ OPTIONAL_FIELDS: dict[str, tuple[torch.dtype, int, str]] = {
     "reward_components": (torch.float32, 2, "traj"),
     "routed_experts": (torch.int16, 3, "response"),
     "token_rewards": (torch.float32, 1, "response"),
+    "ref_logprobs": (torch.float32, 1, "response"),
+    "values": (torch.float32, 1, "response"),
+    "critic_version": (torch.int64, 1, "traj"),
 }
 ALL_FIELDS = {**FIELDS, **OPTIONAL_FIELDS}
 TORCHRL_KEYS: dict[str, tuple[str, str]] = {
@@ -163,19 +171,20 @@ def validate_trajectories(td: TensorDict | Mapping[str, torch.Tensor], *, max_ve
                                   f"with first dim {n[axis]} and trailing dims >= 1")
     # Value checks: one min/max pass per tensor (NaN propagates through aminmax, so a
     # non-finite min or max catches NaN and +-inf) instead of a boolean temporary per rule.
-    for key in ("behaviour_logprobs", "reward", "created_at", "started_at", "reward_components", "token_rewards"):
+    for key in ("behaviour_logprobs", "reward", "created_at", "started_at", "reward_components", "token_rewards",
+                "ref_logprobs", "values"):
         if key in keys:
             lo, hi = _minmax(td[key])
             if not (math.isfinite(lo) and math.isfinite(hi)):
                 raise TrajectoryError("non_finite", f"{key} holds NaN or inf")
-            if key == "behaviour_logprobs" and hi > 1e-4:
-                raise TrajectoryError("bad_logprob", f"behaviour_logprobs must be <= 0, max is {hi}")
+            if key in ("behaviour_logprobs", "ref_logprobs") and hi > 1e-4:
+                raise TrajectoryError("bad_logprob", f"{key} must be <= 0, max is {hi}")
     lo, hi = _minmax(td["policy_version"])
     if lo < 0:
         raise TrajectoryError("bad_version", f"policy_version must be >= 0, min is {lo}")
     if max_version is not None and hi > max_version:
         raise TrajectoryError("future_version", f"policy_version {hi} > published {max_version}")
-    for key in ("traj_id", "group_id", "worker_id", "routed_experts"):
+    for key in ("traj_id", "group_id", "worker_id", "routed_experts", "critic_version"):
         if key in keys and _minmax(td[key])[0] < 0:
             raise TrajectoryError("bad_id" if key != "routed_experts" else "bad_expert", f"{key} must be >= 0")
     if "started_at" in keys and (td["started_at"] > td["created_at"]).any():

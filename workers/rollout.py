@@ -35,6 +35,7 @@ from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.metrics import RateLimitedRedisSink
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.rewards import build_reward, response_texts, token_rewards
+from streamrl.roles.annotate import trajectory_roles
 from streamrl.roles.launch import reward_role_configured
 from streamrl.roles.reward_wire import ENDPOINT as REWARD_ENDPOINT
 from streamrl.tasks import build_task
@@ -169,6 +170,7 @@ class RolloutWorker:
             self.coord.wait_endpoint(REWARD_ENDPOINT, timeout_s=600)
             reward_endpoint = lambda: self.coord.get_endpoint(REWARD_ENDPOINT)  # noqa: E731 (re-read after restarts)
         self.roller = BatchRoller(cfg, self.engine, self.tok, problems, self.wid, self._next_id, reward_endpoint)
+        self.roles = trajectory_roles(cfg, self.coord)  # reference/critic servers, when placed apart (or None)
         self.probes = (probe_set(task, self.roller.encode, cfg.rollout.parity_probes, cfg.run.seed)
                        if self.reference is not None else None)
         self.subscriber = make_subscriber(self.coord, cfg, worker_id=self.wid)
@@ -267,6 +269,8 @@ class RolloutWorker:
                 td = self.roller.rollout_batch(self.subscriber.loaded_version,
                                                self.between_steps if rc.inflight_updates else None)
                 gen_s = time.perf_counter() - t_gen
+                if self.roles is not None:
+                    td = self.roles(td)
                 while not sender.send(td, timeout_s=1.0):  # blocked by backpressure
                     if self.coord.stop_reason() is not None or self.stopping:
                         break
@@ -297,6 +301,8 @@ class RolloutWorker:
                 self.log.warning("flush on exit skipped: %s", e)
             sender.close()
             self.metrics.close()
+            if self.roles is not None:
+                self.roles.close()
             self.engine.close()
         self.log.info("stopping: %s; sent %d trajectories", self.coord.stop_reason() or "signal", trajectories)
         return 0

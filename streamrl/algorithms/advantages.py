@@ -115,3 +115,42 @@ def token_group_advantages(token_rewards: torch.Tensor, response_positions: torc
     # Scatter back onto the grid; padded columns point at clamped indices and carry 0.
     out.scatter_add_(1, idx, adv * valid)
     return out
+
+
+def gae_advantages(values: torch.Tensor, reward: torch.Tensor, response_lens: torch.Tensor, gamma: float,
+                   lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(gamma, lambda) advantages and lambda-returns of each response token.
+
+    The per-token MDP of a response: reward 0 at every token but the last, which gets the
+    sequence reward and ends the episode; ``values[i, j]`` is V at the position that predicts
+    response token ``j`` (the critic role's ``values``). Computed by torchrl's
+    ``generalized_advantage_estimate`` along the response.
+
+    Args:
+        values: [B, R] on the response grid (column j = response token j; anything past a
+            response's end is ignored).
+        reward: [B] sequence rewards. response_lens: [B] ints >= 1.
+        gamma, lam: discount and GAE lambda.
+    Returns:
+        (advantages [B, R], returns [B, R] = advantages + values); 0 past each response's end.
+
+    Examples:
+        >>> a, g = gae_advantages(torch.tensor([[0.5, 0.5]]), torch.tensor([1.0]), torch.tensor([2]), 1.0, 1.0)
+        >>> a.tolist(), g.tolist()
+        ([[0.5, 0.5]], [[1.0, 1.0]])
+    """
+    from torchrl.objectives.value.functional import generalized_advantage_estimate  # noqa: PLC0415 (heavy)
+
+    b, width = values.shape
+    col = torch.arange(width)[None, :]
+    lens = response_lens.to(torch.long)[:, None]
+    inside = col < lens  # [B, R]
+    last = col == lens - 1
+    v = torch.where(inside, values.float(), torch.zeros(()))
+    nxt = torch.cat([v[:, 1:], torch.zeros(b, 1)], dim=1)
+    done = last | ~inside
+    r = torch.where(last, reward.float()[:, None].expand(b, width), torch.zeros(()))
+    adv, ret = generalized_advantage_estimate(gamma, lam, v[..., None], nxt[..., None], r[..., None],
+                                              done[..., None], time_dim=-2)
+    adv, ret = adv[..., 0], ret[..., 0]
+    return adv * inside, ret * inside

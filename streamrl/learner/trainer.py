@@ -8,7 +8,6 @@ all-reduce their statistics so their gradient is that of the global loss too.
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from typing import Iterator
@@ -31,6 +30,8 @@ from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.models.moe import find_moe_blocks
 from streamrl.parallel.expert_parallel import full_parameter, global_param_specs, parallelize
 from streamrl.parallel.mesh import build_mesh
+from streamrl.roles.critic import served_gae_advantages
+from streamrl.roles.reference import load_reference_model, reference_role_configured, served_ref_logprobs
 from streamrl.trajectory import num_trajectories
 
 
@@ -84,11 +85,10 @@ class Trainer:
         self.num_experts = int(hf_blocks[0][1].experts.gate_up_proj.shape[0]) if hf_blocks else 0
         self.is_moe = bool(hf_blocks)
         self.mesh = build_mesh(lc.ep, self.device.type, self.num_experts)
-        self.ref_model = None
-        if lc.kl_coef > 0:
-            self.ref_model = copy.deepcopy(model)
+        self.ref_model = None  # None with kl_coef > 0: the reference role scores (ref_logprobs in the batch)
+        if lc.kl_coef > 0 and not reference_role_configured(cfg):
+            self.ref_model = load_reference_model(cfg, model)
             parallelize(self.ref_model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision)
-            self.ref_model.requires_grad_(False).eval()
         # The critic's head joins the model before sharding: the root fully_shard covers it,
         # the optimizer and DCP checkpoints see it like any other parameter.
         self.critic = lc.loss == "vtrace"
@@ -214,6 +214,8 @@ class Trainer:
         without saying so (every worker shares the config, so this means a broken producer).
         """
         lc = self.cfg.learner
+        if lc.advantage == "gae":  # [B, R] from the critic role's values (streamrl.roles.critic)
+            return served_gae_advantages(batch, self.cfg.critic, grid.loss_mask)
         if lc.advantage == "token":
             if grid.token_rewards is None:
                 raise ValueError("learner.advantage = 'token' got a batch without token_rewards; "
@@ -300,9 +302,12 @@ class Trainer:
             add("learner/loss", float(pg_loss.detach()))
             for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
                 add(f"learner/{k}", stats[k] * n_m)
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logp = self._run(self.ref_model, m, width)[0]
+            if lc.kl_coef > 0:
+                if self.ref_model is not None:
+                    with torch.no_grad():
+                        ref_logp = self._run(self.ref_model, m, width)[0]
+                else:
+                    ref_logp = served_ref_logprobs(batch, m.rows).to(self.device)
                 kl = kl_term(lc, logp, ref_logp, mask, n_tok, n_seq, norm_len)
                 loss = loss + lc.kl_coef * kl
                 add("learner/kl_ref", float(kl.detach()))

@@ -1,0 +1,82 @@
+"""The common main loop of a token-scoring role's process (reference, critic server).
+
+Reads the run config from Redis, builds the role's scorer on its device, binds a
+:class:`~streamrl.roles.token_server.TokenRoleServer` on a free port, publishes the endpoint
+under the role's name (clients re-read it after a timeout, so a restart on a new port is
+found), and serves until SIGTERM or the run's stop; every ``METRICS_EVERY_S`` it reports its
+counters and runs the role's own periodic work (the critic trains and checkpoints there).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import time
+from typing import Callable
+
+import torch
+
+from streamrl.config import Config, config_from_dict
+from streamrl.coord.coordinator import Coordinator
+from streamrl.roles.token_server import ScoreFn, TokenRoleServer
+from streamrl.utils import limit_threads, setup_logging
+
+METRICS_EVERY_S = 2.0
+# (cfg, device) -> (score function, vocab size, periodic work returning extra metrics, or None)
+Build = Callable[[Config, str], tuple[ScoreFn, int, Callable[[], dict[str, float]] | None]]
+
+
+def parse_role_args(role: str, argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=f"StreamRL {role} role")
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--run-id", required=True, help="run id (Redis namespace)")
+    p.add_argument("--device", default="cpu", help="model device (streamrl-launch sets it per placement)")
+    p.add_argument("--bind-host", default="127.0.0.1", help="address the socket binds")
+    p.add_argument("--advertise-host", default=None, help="address workers connect to (default: bind host)")
+    p.add_argument("--max-trajectories", type=int, default=256, help="most trajectories scored in one round")
+    return p.parse_args(argv)
+
+
+def serve_role(role: str, args: argparse.Namespace, build: Build) -> int:
+    log = setup_logging(role)
+    limit_threads()
+    coord = Coordinator(args.redis_url, args.run_id)
+    stored = coord.get_config()
+    if stored is None:
+        raise RuntimeError(f"no config in Redis for run {args.run_id}")
+    cfg = config_from_dict(stored)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)  # before the (long) model load: a stop then exits cleanly
+    signal.signal(signal.SIGINT, on_signal)
+    with torch.no_grad():
+        score_fn, vocab, periodic = build(cfg, args.device)
+    server = TokenRoleServer(role, score_fn, vocab, f"tcp://{args.bind_host}:*", args.max_trajectories)
+    advertise = args.advertise_host or (socket.gethostname() if args.bind_host == "0.0.0.0" else args.bind_host)
+    endpoint = f"tcp://{advertise}:{server.endpoint.rsplit(':', 1)[1]}"
+    coord.set_endpoint(role, endpoint)
+    log.info("serving the %s role on %s at %s", role, args.device, endpoint)
+    last_tick = 0.0
+
+    def tick():
+        nonlocal stopping, last_tick
+        extra = periodic() if periodic is not None else {}
+        now = time.monotonic()
+        if now - last_tick >= METRICS_EVERY_S:
+            last_tick = now
+            coord.put_metrics(role, {**server.metrics(), **extra})
+            stopping = stopping or coord.stop_reason() is not None
+
+    try:
+        server.serve(lambda: stopping, tick)
+    finally:
+        coord.put_metrics(role, server.metrics())
+        server.close()
+    log.info("stopping: %s; %d requests, %d trajectories in %d batches, %d rejected",
+             coord.stop_reason() or "signal", server.requests, server.trajectories, server.batches,
+             sum(server.rejected.values()))
+    return 0
