@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import re
 
-from streamrl.tasks.digits import positional_score
+from streamrl.tasks.digits import format_score, positional_score
 from streamrl.tasks.registry import Problem, register_task
 
 _INT = re.compile(r"-?\d+")
@@ -63,8 +63,7 @@ class LargeArithmetic:
                                "expression": f"{a}{op}{b}"})
 
     def reward(self, problem: Problem, response: str) -> float:
-        """Per-position credit on the answer (:func:`~streamrl.tasks.digits.positional_score`):
-        graded, so a policy that copies most of a tool's result already earns most of it. No
-        format credit (unlike the digit tasks): a policy that merely writes six digits must not
-        earn a share that answering without the tool would then defend."""
-        return positional_score(problem.answer, response)
+        """0.8 x per-position credit + 0.2 x format credit on the answer, as the digit tasks:
+        graded, so a policy that copies most of a tool's result already earns most of it, and
+        a turn of digits earns more than one that calls the tool again."""
+        return 0.8 * positional_score(problem.answer, response) + 0.2 * format_score(problem.answer, response)
