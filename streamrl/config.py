@@ -533,6 +533,37 @@ class WeightsConfig:
         _check(self.verify_threads >= 1, f"{p}.verify_threads", self.verify_threads, "must be >= 1")
 
 
+ENV_BUILTINS = ("none", "calculator", "python")
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn episodes with tools (streamrl.envs): the rollout worker plays one episode per
+    sample, turn by turn, instead of one prompt -> one response."""
+
+    name: str = "none"
+    """none (single-turn), calculator, python, or a plug-in 'package.module:function' (cfg, tokenizer, runner) -> Environment."""
+    max_turns: int = 4
+    """Model turns per episode (a tool call and the answer are two turns)."""
+    max_total_tokens: int = 256
+    """Model + tool tokens after the prompt, per episode (each model turn is capped by rollout.max_new_tokens)."""
+    max_tool_calls: int = 2
+    """Tool calls run per model turn; further calls in the same turn get an error message instead."""
+    tool_timeout_s: float = 5.0
+    """Wall-clock limit per tool call; a call past it answers with an error and is counted (env/tool_timeouts)."""
+    call_reward: float = 0.0
+    """Reward for an episode's first turn whose tool calls all succeed (shaping while the answer is not yet learned; 0 = off)."""
+
+    def validate(self, p: str) -> None:
+        _check(self.name in ENV_BUILTINS or (":" in self.name and all(self.name.partition(":")[::2])),
+               f"{p}.name", self.name, f"must be one of {list(ENV_BUILTINS)} or 'package.module:function'")
+        _check(self.max_turns >= 1, f"{p}.max_turns", self.max_turns, "must be >= 1")
+        _check(self.max_total_tokens >= 2, f"{p}.max_total_tokens", self.max_total_tokens, "must be >= 2")
+        _check(self.max_tool_calls >= 1, f"{p}.max_tool_calls", self.max_tool_calls, "must be >= 1")
+        _check(self.tool_timeout_s > 0, f"{p}.tool_timeout_s", self.tool_timeout_s, "must be > 0")
+        _check(self.call_reward >= 0, f"{p}.call_reward", self.call_reward, "must be >= 0")
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -548,6 +579,7 @@ class Config:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

@@ -2,8 +2,8 @@
 
 :func:`~streamrl.config.load_config` checks values on their own (types, ranges, names).
 Preflight checks them against the world outside the config: the model folder or hub id
-exists (offline), every input file named in the config is there, reward plug-ins import and
-are callable, the learner's expert-parallel degree fits the world size and the model, and an
+exists (offline), every input file named in the config is there, reward and environment
+plug-ins import and are callable, the learner's expert-parallel degree fits the world size and the model, and an
 optional metric sink that was asked for (``run.wandb``) is installed.
 ``streamrl-launch --dry-run`` and the launcher's start run it; each problem is one line
 naming the dotted field, and the launcher exits 2 (bad input) instead of a child process
@@ -114,6 +114,14 @@ def check_reward_plugins(cfg: Config) -> list[str]:
     return [p for p in problems if p]
 
 
+def check_env_plugin(cfg: Config) -> list[str]:
+    """A plug-in environment (``env.name = 'package.module:function'``) imports and is callable."""
+    if ":" not in cfg.env.name:
+        return []
+    problem = _import_callable(cfg.env.name, "env.name")
+    return [problem] if problem else []
+
+
 def model_expert_count(cfg: Config, folder: Path | None) -> int:
     """Routed experts per MoE layer: from the folder's config.json, or the tiny model's config."""
     if folder is None:
@@ -159,6 +167,7 @@ def preflight(cfg: Config, learner_world: int | None = None) -> list[str]:
     problems, folder = check_model(cfg)
     problems += check_inputs(cfg)
     problems += check_reward_plugins(cfg)
+    problems += check_env_plugin(cfg)
     problems += check_parallel(cfg, learner_world, folder)
     problems += check_sinks(cfg)
     return problems

@@ -101,7 +101,7 @@ def test_hanging_and_raising_tools_are_bounded_and_counted():
         assert "tool exploded" in out[1].content and out[2].content == '{"result": "4"}'
         assert elapsed < 0.5 + 2.0, f"a hanging tool held the caller {elapsed:.2f} s"
         c = runner.counters()
-        assert (c["tools/calls"], c["tools/errors"], c["tools/timeouts"], c["tools/hung"]) == (5, 3, 1, 1)
+        assert (c["env/tool_calls_total"], c["env/tool_errors_total"], c["env/tool_timeouts_total"], c["env/tools_hung"]) == (5, 3, 1, 1)
     finally:
         hang.release.set()
         runner.close()
@@ -127,7 +127,7 @@ def test_tool_env_turns_calls_into_tool_messages_then_scores_the_answer():
         assert not r.done and r.reward == 0.0
         assert [m["content"] for m in r.messages][0] == '{"result": "56088"}'
         assert "tool exploded" in r.messages[1]["content"] and "more than 2 calls" in r.messages[2]["content"]
-        assert r.info == {"tool_calls": 3.0, "tool_errors": 2.0}
+        assert (r.info["tool_calls"], r.info["tool_errors"]) == (3.0, 2.0) and r.info["tool_latency_s"] >= 0
         final = env.step("56088")
         assert final.done and final.reward == 1.0
     finally:
@@ -187,7 +187,8 @@ def test_two_turn_episode_masks_tool_tokens_and_matches_teacher_forcing(engine_a
         p = len(ep.prompt)
         assert padded["loss_mask"][i, p - 1:p - 1 + len(ep.response)].bool().tolist() == ep.mask
     m = episode_metrics(eps)
-    assert m["episodes/turns_mean"] == 2.0 and m["episodes/tool_calls"] == 3.0 and m["episodes/stop_done"] == 3.0
+    assert m["env/turns_mean"] == 2.0 and m["env/tool_calls"] == 3.0 and m["env/stop_done"] == 3.0
+    assert m["env/tool_call_rate"] == 1.0
 
 
 def test_episode_limits_cut_turns_and_tokens(engine_and_tok):
@@ -221,9 +222,9 @@ def test_hanging_tool_inside_an_episode_is_bounded_and_counted(engine_and_tok):
         ep = run_episodes(eng, [env], ["3*3="], renderer, tok.decode, tok.eos_token_id,
                           EpisodeLimits(max_turns=3, max_turn_tokens=4, max_response_tokens=400))[0]
         assert ep.stop == "done" and ep.turns == 2 and ep.reward == 1.0
-        assert ep.info == {"tool_calls": 2.0, "tool_errors": 2.0}
+        assert (ep.info["tool_calls"], ep.info["tool_errors"]) == (2.0, 2.0)
         c = runner.counters()
-        assert (c["tools/timeouts"], c["tools/errors"]) == (1, 1)
+        assert (c["env/tool_timeouts_total"], c["env/tool_errors_total"]) == (1, 1)
     finally:
         hang.release.set()
         runner.close()
@@ -254,7 +255,7 @@ def test_tiny_calculator_episode_rewards_calling_the_tool_and_copying_the_result
     from streamrl.envs.calculator_task import TINY_REPLY, LargeArithmetic, calculator_runner, tiny_calculator_env
     from streamrl.models.tokenizer import build_char_tokenizer
 
-    task = LargeArithmetic(digits=6)
+    task = LargeArithmetic(num_digits=6)
     problem = task.sample(random.Random(0))
     runner = calculator_runner()
     try:
@@ -269,7 +270,13 @@ def test_tiny_calculator_episode_rewards_calling_the_tool_and_copying_the_result
         assert env.step(problem.answer).reward == 1.0
         env.reset(problem)
         assert env.step("c:1+*").messages == [{"role": "tool", "content": "error"}]
-        assert env.step("12").reward == 0.0
+        assert env.step("12").reward < 0.2
+        # A bare "c" calls the calculator on the problem itself (the format a random tiny model finds).
+        shaped = tiny_calculator_env(task, runner, call_reward=0.1)
+        shaped.reset(problem)
+        first, again = shaped.step("c?x"), shaped.step("c")
+        assert first.messages == again.messages == [{"role": "tool", "content": problem.answer}]
+        assert (first.reward, again.reward) == (0.1, 0.0)  # the call reward is paid once per episode
     finally:
         runner.close()
 
@@ -279,7 +286,7 @@ def test_chat_calculator_env_speaks_hermes():
 
     from streamrl.envs.calculator_task import LargeArithmetic, calculator_runner, chat_calculator_env
 
-    task = LargeArithmetic(digits=4, ops="+")
+    task = LargeArithmetic(num_digits=4, ops="+")
     problem = task.sample(random.Random(1))
     runner = calculator_runner()
     try:
@@ -289,7 +296,7 @@ def test_chat_calculator_env_speaks_hermes():
         call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
         r = env.step(call % problem.fields["expression"])
         assert r.messages == [{"role": "tool", "content": '{"result": "%s"}' % problem.answer}]
-        assert env.step(f"The answer is {problem.answer}.").reward == 1.0
+        assert env.step(problem.answer).reward == 1.0  # the number only, as the system prompt asks
     finally:
         runner.close()
 
@@ -346,18 +353,19 @@ def test_episode_batch_roller_packs_groups_of_tool_episodes(engine_and_tok):
     from streamrl.envs.roller import EpisodeBatchRoller
 
     eng, tok = engine_and_tok
-    task, rng, ids = LargeArithmetic(digits=3), random.Random(0), itertools.count(1)
+    task, rng, ids = LargeArithmetic(num_digits=3), random.Random(0), itertools.count(1)
     runner = calculator_runner()
     roller = EpisodeBatchRoller(eng, tok, iter(lambda: task.sample(rng), None), lambda: tiny_calculator_env(task, runner),
                                 PlainTextRenderer(tok, template=TINY_REPLY), EpisodeLimits(2, 8, 40), lambda: next(ids),
                                 prompts_per_batch=2, group_size=3, runner=runner)
     try:
         torch.manual_seed(0)
-        td, m = roller.rollout_batch(version=5)
+        td = roller.rollout_batch(version=5)
+        m = roller.last_metrics
         validate_trajectories(td, max_version=5)
         assert td["group_id"].tolist()[:3] == [td["group_id"][0].item()] * 3 and len(set(td["group_id"].tolist())) == 2
         assert len(set(td["traj_id"].tolist())) == 6 and (td["policy_version"] == 5).all()
-        assert 1.0 <= m["episodes/turns_mean"] <= 2.0 and m["tools/calls"] == m["episodes/tool_calls"]
+        assert 1.0 <= m["env/turns_mean"] <= 2.0 and m["env/tool_calls_total"] == m["env/tool_calls"]
     finally:
         roller.close()
         runner.close()

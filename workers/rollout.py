@@ -173,6 +173,12 @@ class RolloutWorker:
         self.roles = trajectory_roles(cfg, self.coord)  # reference/critic servers, when placed apart (or None)
         self.probes = (probe_set(task, self.roller.encode, cfg.rollout.parity_probes, cfg.run.seed)
                        if self.reference is not None else None)
+        if cfg.env.name != "none":  # multi-turn episodes with tools (issue 21); torchrl loads only here
+            from streamrl.envs.factory import build_episode_roller  # noqa: PLC0415
+
+            self.roller = build_episode_roller(cfg, self.engine, self.tok, problems, self.wid, self._next_id,
+                                               self.roller.reward,
+                                               self.between_turns if cfg.rollout.inflight_updates else None)
         self.subscriber = make_subscriber(self.coord, cfg, worker_id=self.wid)
         self.metrics = RateLimitedRedisSink(self.coord, f"rollout-{self.wid}")
         self.counter = 0
@@ -199,6 +205,12 @@ class RolloutWorker:
         if self.probes is not None:
             self.metrics.write({**self.parity(), "rollout/parity_version": v})
         return load_s
+
+    def between_turns(self) -> int:
+        """Multi-turn episodes with in-flight updates: before each turn load a newer version if
+        there is one; the version the turn samples with (recorded per token)."""
+        self.sync_weights()
+        return self.subscriber.loaded_version
 
     def between_steps(self):
         """In-flight hook for the engine: ``(version, tensors)`` of a newer version, or None.
@@ -291,6 +303,7 @@ class RolloutWorker:
                     "rollout/inflight_loads": self.inflight_loads,
                     **sender.stats(),  # transport/produced, retained and resent messages, ...
                     **self.subscriber.timings,  # weights/transfer_s, verify_s, load_s of the newest load
+                    **getattr(self.roller, "last_metrics", {}),  # env/... of multi-turn episodes
                 })
         finally:
             try:  # leaving a live run (signal): give sent trajectories a moment to become durable
@@ -303,6 +316,7 @@ class RolloutWorker:
             self.metrics.close()
             if self.roles is not None:
                 self.roles.close()
+            getattr(self.roller, "close", lambda: None)()  # multi-turn: the env and tool pools
             self.engine.close()
         self.log.info("stopping: %s; sent %d trajectories", self.coord.stop_reason() or "signal", trajectories)
         return 0

@@ -152,16 +152,23 @@ def episodes_to_trajectories(episodes: list[Episode], group_ids: list[int], traj
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """Monitor figures of a batch of episodes: ``episodes/turns_mean``, ``episodes/tool_calls``,
-    ``episodes/tool_errors``, ``episodes/env_token_frac`` and the stop reasons."""
+    """Monitor figures of a batch of episodes (worker metrics, shown by ``streamrl-monitor``):
+    ``env/turns_mean``, ``env/tool_calls`` and ``env/tool_errors`` (this batch),
+    ``env/tool_call_rate`` (episodes with at least one call), ``env/tool_latency_s`` (mean per
+    call), ``env/env_token_frac`` (tool tokens among response tokens), ``env/answer_reward_mean``
+    (the reward without the tool-call shaping term, ``env.call_reward``) and ``env/stop_*``."""
     n = max(1, len(episodes))
     tokens = sum(len(ep.response) for ep in episodes)
+    calls = sum(ep.info.get("tool_calls", 0.0) for ep in episodes)
     out = {
-        "episodes/turns_mean": sum(ep.turns for ep in episodes) / n,
-        "episodes/tool_calls": sum(ep.info.get("tool_calls", 0.0) for ep in episodes),
-        "episodes/tool_errors": sum(ep.info.get("tool_errors", 0.0) for ep in episodes),
-        "episodes/env_token_frac": sum(len(ep.mask) - sum(ep.mask) for ep in episodes) / max(1, tokens),
+        "env/turns_mean": sum(ep.turns for ep in episodes) / n,
+        "env/tool_calls": calls,
+        "env/tool_errors": sum(ep.info.get("tool_errors", 0.0) for ep in episodes),
+        "env/tool_call_rate": sum(ep.info.get("tool_calls", 0.0) > 0 for ep in episodes) / n,
+        "env/tool_latency_s": sum(ep.info.get("tool_latency_s", 0.0) for ep in episodes) / max(1.0, calls),
+        "env/env_token_frac": sum(len(ep.mask) - sum(ep.mask) for ep in episodes) / max(1, tokens),
+        "env/answer_reward_mean": sum(ep.reward - ep.info.get("call_reward", 0.0) for ep in episodes) / n,
     }
     for reason in ("done", "max_turns", "max_tokens"):
-        out[f"episodes/stop_{reason}"] = float(sum(ep.stop == reason for ep in episodes))
+        out[f"env/stop_{reason}"] = float(sum(ep.stop == reason for ep in episodes))
     return out

@@ -23,28 +23,31 @@ class EpisodeBatchRoller:
 
     make_env: () -> a fresh environment (called once per sample per batch).
     next_id: () -> a unique 63-bit id (the worker's :func:`streamrl.trajectory.make_id` counter).
-    runner: the tool runner the environments share, for its counters (optional).
+    runner: the tool runner the environments share, for its counters (optional; closed by :meth:`close`).
+    before_turn: () -> version, called before every turn (the worker loads newer weights there:
+        in-flight updates between turns); None stamps every turn with the batch's version.
     """
 
     def __init__(self, engine, tok, problems: Iterator[Any], make_env: Callable[[], Environment],
                  renderer: Renderer, limits: EpisodeLimits, next_id: Callable[[], int], *,
                  prompts_per_batch: int, group_size: int, temperature: float = 1.0, worker_id: int = 0,
-                 runner: ToolRunner | None = None):
+                 runner: ToolRunner | None = None, before_turn: Callable[[], int] | None = None):
         if prompts_per_batch < 1 or group_size < 1:
             raise ValueError(f"prompts_per_batch = {prompts_per_batch}, group_size = {group_size}: must be >= 1")
         self.engine, self.tok, self.problems, self.make_env = engine, tok, problems, make_env
         self.renderer, self.limits, self.next_id = renderer, limits, next_id
         self.prompts_per_batch, self.group_size, self.temperature = prompts_per_batch, group_size, temperature
-        self.worker_id, self.runner = worker_id, runner
+        self.worker_id, self.runner, self.before_turn = worker_id, runner, before_turn
+        self.last_metrics: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_workers=min(16, prompts_per_batch * group_size),
                                         thread_name_prefix="streamrl-env")
 
-    def rollout_batch(self, version: int, between_steps=None, before_turn: Callable[[], int] | None = None):
-        """Play one batch; returns ``(trajectories, metrics)``.
+    def rollout_batch(self, version: int, between_steps=None):
+        """Play one batch; returns the packed trajectories (one per episode) and keeps the
+        batch's monitor figures in ``last_metrics``.
 
-        ``before_turn`` (weights between turns) returns the version each turn samples with;
-        without it every turn is stamped ``version``. ``between_steps``: in-flight updates inside
-        a turn (engines hf_fast, vllm), as in ``BatchRoller``.
+        ``between_steps``: in-flight updates inside a turn (engines hf_fast, vllm), as in
+        ``BatchRoller``; ``version`` stamps the turns when there is no ``before_turn`` hook.
         """
         started = time.perf_counter()
         problems = [next(self.problems) for _ in range(self.prompts_per_batch)]
@@ -52,7 +55,7 @@ class EpisodeBatchRoller:
         kwargs = {"between_steps": between_steps} if between_steps is not None else {}
         episodes = run_episodes(self.engine, [self.make_env() for _ in flat], flat, self.renderer,
                                 self._decode, self.tok.eos_token_id, self.limits, self.temperature,
-                                before_turn=before_turn or (lambda: version), pool=self._pool, **kwargs)
+                                before_turn=self.before_turn or (lambda: version), pool=self._pool, **kwargs)
         group_ids, traj_ids = [], []
         for _ in problems:
             gid = self.next_id()
@@ -60,14 +63,17 @@ class EpisodeBatchRoller:
             traj_ids += [self.next_id() for _ in range(self.group_size)]
         td = episodes_to_trajectories(episodes, group_ids, traj_ids, self.worker_id)
         metrics = episode_metrics(episodes)
-        metrics["episodes/reward_mean"] = sum(ep.reward for ep in episodes) / len(episodes)
-        metrics["episodes/batch_s"] = time.perf_counter() - started
+        metrics["env/reward_mean"] = sum(ep.reward for ep in episodes) / len(episodes)
+        metrics["env/batch_s"] = time.perf_counter() - started
         if self.runner is not None:
             metrics.update(self.runner.counters())
-        return td, metrics
+        self.last_metrics = metrics
+        return td
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tok.decode(tokens, skip_special_tokens=False)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self.runner is not None:
+            self.runner.close()

@@ -178,7 +178,8 @@ class ToolRunner:
         self.registry, self.timeout_s = registry, timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="streamrl-tool")
         self._lock = threading.Lock()
-        self._counts = {"tools/calls": 0, "tools/errors": 0, "tools/timeouts": 0, "tools/latency_s_sum": 0.0}
+        self._counts = {"env/tool_calls_total": 0, "env/tool_errors_total": 0, "env/tool_timeouts_total": 0,
+                        "env/tool_latency_s_total": 0.0}
         self._running = 0
 
     def run(self, calls: list[ToolCall]) -> list[ToolResult]:
@@ -195,10 +196,10 @@ class ToolRunner:
                                           "timeout", time.monotonic() - start))
         with self._lock:
             for r in results:
-                self._counts["tools/calls"] += 1
-                self._counts["tools/errors"] += r.status == "error"
-                self._counts["tools/timeouts"] += r.status == "timeout"
-                self._counts["tools/latency_s_sum"] += r.latency_s
+                self._counts["env/tool_calls_total"] += 1
+                self._counts["env/tool_errors_total"] += r.status == "error"
+                self._counts["env/tool_timeouts_total"] += r.status == "timeout"
+                self._counts["env/tool_latency_s_total"] += r.latency_s
         return results
 
     def _invoke(self, call: ToolCall) -> ToolResult:
@@ -220,10 +221,11 @@ class ToolRunner:
                 self._running -= 1
 
     def counters(self) -> dict[str, float]:
-        """``tools/calls``, ``tools/errors``, ``tools/timeouts``, ``tools/latency_s_sum`` since start,
-        and ``tools/hung``: calls still running (past their time limit or in progress)."""
+        """``env/tool_calls_total``, ``env/tool_errors_total``, ``env/tool_timeouts_total``,
+        ``env/tool_latency_s_total`` since start, and ``env/tools_hung``: calls still running (past
+        their time limit or in progress)."""
         with self._lock:
-            return {**self._counts, "tools/hung": float(self._running)}
+            return {**self._counts, "env/tools_hung": float(self._running)}
 
     def close(self) -> None:
         """Stop accepting calls; hung calls are abandoned, not waited for."""

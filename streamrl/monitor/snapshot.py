@@ -170,6 +170,7 @@ class SnapshotBuilder:
             # snapshots exactly as before, so --json consumers see nothing new)
             **self._critic(learner, latest_l, t_lo, t_hi),
             **self._credit(state),
+            **self._env(state, workers),
         }
 
     def _staleness(self, learner, latest) -> dict[str, Any]:
@@ -203,6 +204,31 @@ class SnapshotBuilder:
         learner_cfg = (getattr(state, "config", None) or {}).get("learner") or {}
         mode = learner_cfg.get("advantage", "sequence")
         return {"credit": {"advantage": mode}} if mode != "sequence" else {}
+
+    @staticmethod
+    def _env(state, workers) -> dict[str, Any]:
+        """``{"env": {...}}`` for multi-turn runs (workers report ``env/...``, streamrl.envs), else ``{}``.
+
+        Per batch, averaged over workers: turns per episode, the fraction of episodes that called
+        a tool, the mean tool latency; summed over workers: tool calls and errors of the last
+        batch, and calls, errors, timeouts since the start, and tool calls still running (hung)."""
+        latest = [state.latest.get(p, {}) for p in workers]
+        latest = [m for m in latest if "env/turns_mean" in m]
+        if not latest:
+            return {}
+
+        def mean(key):
+            return _mean([m.get(key) for m in latest])
+
+        def total(key):
+            vals = [m[key] for m in latest if key in m]
+            return sum(vals) if vals else None
+        return {"env": {"turns_mean": mean("env/turns_mean"), "tool_call_rate": mean("env/tool_call_rate"),
+                        "tool_latency_s": mean("env/tool_latency_s"), "reward_mean": mean("env/reward_mean"),
+                        "tool_calls": total("env/tool_calls"), "tool_errors": total("env/tool_errors"),
+                        "tool_calls_total": total("env/tool_calls_total"),
+                        "tool_errors_total": total("env/tool_errors_total"),
+                        "tool_timeouts_total": total("env/tool_timeouts_total"), "tools_hung": total("env/tools_hung")}}
 
     def _weights(self, latest, state, workers) -> dict[str, Any]:
         """Learner side: gather (full tensors from shards) and write into the data plane.

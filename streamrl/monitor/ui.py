@@ -82,6 +82,7 @@ def totals_panel(s: dict) -> Panel:
         (kl_label, fmt(t.get("mismatch_kl"))),
     ]
     rows += critic_rows(s)
+    rows += env_rows(s)
     return Panel(_kv_table(rows), title=f"Totals (last {s['window_s']:.0f} s)", box=box.SQUARE)
 
 
@@ -101,6 +102,25 @@ def critic_rows(s: dict) -> list[tuple[str, str | Text]]:
     if mode and mode != "sequence":  # the default (group-relative per sequence) is not shown
         rows.append(("advantage credit", str(mode)))
     return rows
+
+
+def env_rows(s: dict) -> list[tuple[str, str | Text]]:
+    """Rows for multi-turn runs with tools (``env.name``); none for single-turn runs. Tool
+    errors and timeouts (since the start) are flagged in words when there are any."""
+    e = s.get("env")
+    if not e:
+        return []
+    rate = e.get("tool_call_rate")
+    errors, timeouts, hung = (e.get(k) or 0 for k in ("tool_errors_total", "tool_timeouts_total", "tools_hung"))
+    bad = Text(f"{fmt(errors)} / {fmt(timeouts)} / {fmt(hung)}" + (" errors" if errors or timeouts else ""),
+               style="yellow" if errors or timeouts or hung else "")
+    return [
+        ("turns / episode", fmt(e.get("turns_mean"))),
+        ("tool-call rate", "-" if rate is None else f"{100 * rate:.0f} %"),
+        ("tool calls (batch / all)", f"{fmt(e.get('tool_calls'))} / {fmt(e.get('tool_calls_total'))}"),
+        ("tool err / timeout / hung", bad),
+        ("tool latency", fmt_s(e.get("tool_latency_s"))),
+    ]
 
 
 def history_panel(s: dict) -> Panel:
