@@ -100,3 +100,32 @@ def test_gpu_paged_graphs_equal_static():
         out[kv] = eng.generate(prompts + [prompts[0]] * 3, NEW, temperature=0.0)
         assert eng.captures > 0
     _same(out["static"], out["paged"], atol=1e-4)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["rollout.engine=hf_fast", "rollout.kv_cache=ring"], "rollout.kv_cache"),
+    (["rollout.engine=vllm", "rollout.kv_cache=paged"], "rollout.kv_cache"),
+    (["rollout.engine=hf_fast", "rollout.kv_cache=paged", "rollout.kv_block_size=24"], "rollout.kv_block_size"),
+    (["rollout.engine=hf_fast", "rollout.kv_pool_mb=-1"], "rollout.kv_pool_mb"),
+])
+def test_paged_config_errors_name_the_field(overrides, field):
+    from streamrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_factory_sizes_the_pool_from_mib():
+    from streamrl.config import load_config
+    from streamrl.engines.factory import build_engine
+
+    cfg = load_config(None, ["rollout.engine=hf_fast", "rollout.kv_cache=paged", "rollout.kv_block_size=8",
+                             "rollout.kv_pool_mb=1", "rollout.max_model_len=64", "rollout.max_new_tokens=16"])
+    eng = build_engine(cfg)
+    try:
+        # tiny model: 2 layers x 1 KV head x 32 dims x fp32, K and V = 512 B a position, 4 KiB a block
+        assert eng.cache.block_size == 8 and eng.cache.num_blocks == (1 << 20) // 4096 + 1
+        gen = eng.generate([[5, 6, 7]] * 4, 16, 1.0)
+        assert [len(t) for t in gen.tokens] == [len(lp) for lp in gen.logprobs] and max(map(len, gen.tokens)) <= 16
+    finally:
+        eng.close()

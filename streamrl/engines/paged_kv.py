@@ -27,6 +27,13 @@ from __future__ import annotations
 import torch
 
 
+def pool_blocks(pool_bytes: int, layers: int, kv_heads: int, head_dim: int, element_size: int,
+                block_size: int) -> int:
+    """Blocks (trash block included) of a pool of ``pool_bytes`` for K and V of every layer."""
+    per_block = 2 * layers * kv_heads * head_dim * element_size * block_size
+    return max(2, pool_bytes // per_block + 1)
+
+
 class PagedKVCache:
     """Block pool + block tables with the interface of :class:`StaticKVCache` (``update``, ``fork``).
 
