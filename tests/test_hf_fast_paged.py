@@ -129,3 +129,13 @@ def test_factory_sizes_the_pool_from_mib():
         assert [len(t) for t in gen.tokens] == [len(lp) for lp in gen.logprobs] and max(map(len, gen.tokens)) <= 16
     finally:
         eng.close()
+
+
+def test_bench_reports_kv_memory():
+    from streamrl.bench.hf_fast import bench_fast_vs_generate
+
+    res = bench_fast_vs_generate(batch=4, prompt_len=6, new_tokens=12, kv_cache="paged", block_size=4,
+                                 spread_lengths=True, skip_generate=True)
+    assert res["kv_cache"] == "paged" and res["preemptions"] == 0
+    assert res["fast_tokens"] < 4 * 12  # caps spread over 1..12
+    assert 0 < res["kv_used_gib"] < res["kv_pool_gib"] and res["kv_static_gib"] > 0
