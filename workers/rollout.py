@@ -36,6 +36,7 @@ from streamrl.metrics import RateLimitedRedisSink
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.rewards import build_reward, response_texts, token_rewards
 from streamrl.roles.launch import reward_role_configured
+from streamrl.rollout_metrics import versions_spanned
 from streamrl.roles.reward_wire import ENDPOINT as REWARD_ENDPOINT
 from streamrl.tasks import build_task
 from streamrl.tasks.sources import build_prompt_source
@@ -302,6 +303,7 @@ class RolloutWorker:
                     "rollout/inflight_loads": self.inflight_loads,
                     **sender.stats(),  # transport/produced, retained and resent messages, ...
                     **self.subscriber.timings,  # weights/transfer_s, verify_s, load_s of the newest load
+                    **versions_spanned(td["policy_version"], td["response_lens"]),  # in-flight drift
                 })
         finally:
             try:  # leaving a live run (signal): give sent trajectories a moment to become durable
