@@ -129,7 +129,8 @@ class FastHFEngine:
         self.experts_impl = experts_implementation
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dev, b, s = self.device, batch_size, self.max_len
-        if kv_cache == "paged":
+        self.paged = kv_cache == "paged"
+        if self.paged:
             self.cache = PagedKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev,
                                       block_size=block_size, num_blocks=kv_blocks)
         else:
@@ -405,7 +406,7 @@ class FastHFEngine:
 
         def grow(live: list[int]) -> list[int]:
             """Blocks for the position each live slot writes next; preempt the least advanced on shortage."""
-            while live:
+            while live and self.paged:  # a static slot always has room
                 short = self.cache.grow(live, [host_pos[s] + 1 for s in live])
                 if not short:
                     break
