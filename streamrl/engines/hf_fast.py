@@ -12,6 +12,9 @@ with its own loop:
   including what an earlier sequence left in the slot. That is why a slot can be reused
   without clearing, and why no KV survives a :meth:`generate` call (each call prefills its
   prompts), so a weight update can never meet stale KV.
+* **Paged KV** (``kv_cache="paged"``, :mod:`streamrl.engines.paged_kv`): a block pool used as
+  sequences grow instead of the static slots; a group's full prompt blocks are shared, the
+  pool's size is a budget (a sequence that finds it empty is preempted and recomputed later).
 * **Fixed-shape decode step** over all ``B`` slots (idle/finished slots compute and are
   ignored), captured once per attended-span bucket in a CUDA graph. The graph reads the
   parameters by address, so :meth:`load_weights` copies into the same storage and the next
