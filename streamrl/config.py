@@ -211,6 +211,12 @@ class RolloutConfig:
     """Wrap prompts in the tokenizer's chat template (instruct models)."""
     kv_cache_mb: int = 256
     """vLLM KV-cache size in MiB (vLLM's default would take 90% of memory)."""
+    kv_cache: str = "static"
+    """hf_fast KV memory: 'static' (a slot of max_model_len per sequence) or 'paged' (blocks allocated as sequences grow)."""
+    kv_block_size: int = 16
+    """hf_fast paged: positions per KV block."""
+    kv_pool_mb: int = 0
+    """hf_fast paged: KV block pool in MiB (0 = as many positions as the static cache); a full pool preempts."""
     max_model_len: int = 512
     """vllm and hf_fast: longest prompt + response in tokens (hf_fast sizes its KV cache by it)."""
     gpu_memory_utilization: float = 0.5
@@ -234,6 +240,12 @@ class RolloutConfig:
         _check(self.engine in ("hf", "hf_fast", "vllm"), f"{p}.engine", self.engine,
                "must be 'hf', 'hf_fast' or 'vllm'")
         _check(self.kv_cache_mb >= 1, f"{p}.kv_cache_mb", self.kv_cache_mb, "must be >= 1")
+        _check(self.kv_cache in ("static", "paged"), f"{p}.kv_cache", self.kv_cache, "must be 'static' or 'paged'")
+        _check(self.kv_cache == "static" or self.engine == "hf_fast", f"{p}.kv_cache", self.kv_cache,
+               "'paged' needs rollout.engine = 'hf_fast' (vllm pages its own cache)")
+        _check(self.kv_block_size >= 1 and 128 % self.kv_block_size == 0, f"{p}.kv_block_size", self.kv_block_size,
+               "must divide 128 (the CUDA-graph span bucket)")
+        _check(self.kv_pool_mb >= 0, f"{p}.kv_pool_mb", self.kv_pool_mb, "must be >= 0")
         _check(self.max_model_len >= 2, f"{p}.max_model_len", self.max_model_len, "must be >= 2")
         _check(0 < self.gpu_memory_utilization <= 1, f"{p}.gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")

@@ -11,7 +11,8 @@ import pytest
 @pytest.mark.timeout(400)
 def test_e2e_bench_reports_ratios(tmp_path, repo, python):
     out = tmp_path / "bench"
-    proc = subprocess.run([python, "-m", "streamrl.bench.cli", "e2e", "--steps", "12", "--out", str(out), "--json"],
+    proc = subprocess.run([python, "-m", "streamrl.bench.cli", "e2e", "--steps", "12", "--repeats", "1",
+                           "--out", str(out), "--json"],
                           cwd=repo, capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

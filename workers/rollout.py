@@ -38,6 +38,7 @@ from streamrl.rewards import build_reward, response_texts, token_rewards
 from streamrl.roles.annotate import trajectory_roles
 from streamrl.roles.launch import reward_role_configured
 from streamrl.roles.reward_wire import ENDPOINT as REWARD_ENDPOINT
+from streamrl.rollout_metrics import versions_spanned
 from streamrl.tasks import build_task
 from streamrl.tasks.prompts import PromptEncoder
 from streamrl.tasks.sources import build_prompt_source
@@ -304,6 +305,7 @@ class RolloutWorker:
                     **sender.stats(),  # transport/produced, retained and resent messages, ...
                     **self.subscriber.timings,  # weights/transfer_s, verify_s, load_s of the newest load
                     **getattr(self.roller, "last_metrics", {}),  # env/... of multi-turn episodes
+                    **versions_spanned(td["policy_version"], td["response_lens"]),  # in-flight drift
                 })
         finally:
             try:  # leaving a live run (signal): give sent trajectories a moment to become durable

@@ -9,13 +9,18 @@ Runs ``streamrl-launch`` twice with identical config, code and process counts:
 Figures per run come from the run's own ``metrics.jsonl`` and ``summary.json``. With ``--json``
 the last printed line is one JSON object with both runs and the ratios
 ``speedup_async_vs_sync`` (samples/s) and ``time_to_target_ratio`` (sync / async wall time to
-reach ``--target`` reward). ``--ablation`` instead compares off-policy corrections at high
+reach ``--target`` reward). ``--repeats N`` (default 3) runs sync and async N times each,
+alternately (sync, async, sync, ...: drift of a shared machine hits both alike); the figures
+are then medians over the repeats, ``spread`` holds their min-max, ``speedup_async_vs_sync`` is
+the ratio of the median samples/s (its spread: the min-max of the per-pair ratios) and
+``runs`` the per-repeat figures. ``--ablation`` instead compares off-policy corrections at high
 staleness (``--losses``, ``--ablation-staleness``) over ``--seeds``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -29,6 +34,7 @@ def parse_args(argv):
     p.add_argument("--rollers", type=int, default=1)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--staleness", type=int, default=4, help="max_staleness of the async run")
+    p.add_argument("--repeats", type=int, default=3, help="sync/async pairs, run alternately; figures are medians")
     p.add_argument("--target", type=float, default=None,
                    help="reward target for time-to-target (default: 80%% of the sync run's final reward)")
     p.add_argument("--out", default="runs/bench-e2e", help="directory for runs, PNG and JSON")
@@ -89,6 +95,15 @@ def figures(run: dict, target: float) -> dict:
     }
 
 
+def median_figures(runs: list[dict]) -> dict:
+    """Per-key median of :func:`figures` dicts (over the values that are not None; None if all are)."""
+    out = {}
+    for k in runs[0]:
+        vals = [r[k] for r in runs if r[k] is not None]
+        out[k] = statistics.median(vals) if vals else None
+    return out
+
+
 def plot(runs: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -119,29 +134,51 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.ablation:
         return ablation(args, out)
-    sync = run_once(args, "sync", ["learner.max_staleness=0"])
-    asyn = run_once(args, "async", [f"learner.max_staleness={args.staleness}"])
-    sync_final = figures(sync, float("inf"))["final_reward"]
-    target = args.target if args.target is not None else 0.8 * sync_final
-    fs, fa = figures(sync, target), figures(asyn, target)
-    png = out / "async_vs_sync.png"
-    plot([sync, asyn], png, f"async (k={args.staleness}) vs sync — {args.learners} learner(s), {args.rollers} roller(s)")
-    result = {
-        "benchmark": "e2e",
-        "config": args.config, "learners": args.learners, "rollers": args.rollers, "steps": args.steps,
-        "staleness": args.staleness, "target_reward": target,
-        "sync": fs, "async": fa,
-        "speedup_async_vs_sync": fa["samples_per_s"] / fs["samples_per_s"],
-        "time_to_target_ratio": (fs["time_to_target_s"] / fa["time_to_target_s"])
-        if fs["time_to_target_s"] and fa["time_to_target_s"] else None,
-        "final_reward_diff": fa["final_reward"] - fs["final_reward"],
-        "png": str(png),
-    }
+    if args.repeats < 1:
+        print(f"--repeats = {args.repeats}: must be >= 1", file=sys.stderr)
+        return 2
+    pairs = []
+    for r in range(args.repeats):
+        tag = f"-{r}" if args.repeats > 1 else ""
+        pairs.append((run_once(args, f"sync{tag}", ["learner.max_staleness=0"]),
+                      run_once(args, f"async{tag}", [f"learner.max_staleness={args.staleness}"])))
+    result = summarize(args, pairs, out / "async_vs_sync.png")
     (out / "result.json").write_text(json.dumps(result, indent=2))
     _print_table(result)
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def summarize(args, pairs: list[tuple[dict, dict]], png: Path) -> dict:
+    """Result of ``(sync, async)`` run pairs (:func:`run_once`): medians, spreads, per-run figures, plot."""
+    sync_final = statistics.median(figures(sync, float("inf"))["final_reward"] for sync, _ in pairs)
+    target = args.target if args.target is not None else 0.8 * sync_final
+    per = [(figures(sync, target), figures(asyn, target)) for sync, asyn in pairs]
+    fs, fa = median_figures([f for f, _ in per]), median_figures([f for _, f in per])
+    ratios = [a["samples_per_s"] / b["samples_per_s"] for b, a in per]
+    plot([run for pair in pairs for run in pair], png,
+         f"async (k={args.staleness}) vs sync — {args.learners} learner(s), {args.rollers} roller(s)")
+    result = {
+        "benchmark": "e2e",
+        "config": args.config, "learners": args.learners, "rollers": args.rollers, "steps": args.steps,
+        "staleness": args.staleness, "target_reward": target, "repeats": len(pairs),
+        "sync": fs, "async": fa,
+        "speedup_async_vs_sync": fa["samples_per_s"] / fs["samples_per_s"],
+        "time_to_target_ratio": (fs["time_to_target_s"] / fa["time_to_target_s"])
+        if fs["time_to_target_s"] and fa["time_to_target_s"] else None,
+        "final_reward_diff": fa["final_reward"] - fs["final_reward"],
+        "spread": {
+            "speedup_async_vs_sync": [min(ratios), max(ratios)],
+            **{f"{k}_{name}": [min(f[i][k] for f in per), max(f[i][k] for f in per)]
+               for k in ("samples_per_s", "learner_idle_pct") for i, name in ((0, "sync"), (1, "async"))},
+        },
+        "runs": [{"sync": b, "async": a, "speedup_async_vs_sync": x,
+                  "launch_wall_s": [sync["launch_wall_s"], asyn["launch_wall_s"]]}
+                 for (b, a), x, (sync, asyn) in zip(per, ratios, pairs)],
+        "png": str(png),
+    }
+    return result
 
 
 def ablation(args, out: Path) -> int:
@@ -174,6 +211,14 @@ def _print_table(result: dict) -> None:
         a, b = result["sync"][k], result["async"][k]
         fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
         print(f"{k:<24}{fmt(a):>14}{fmt(b):>14}")
+    sp = result["spread"]
+    if result["repeats"] > 1:
+        print(f"medians of {result['repeats']} runs each; spread (min-max): "
+              f"samples_per_s sync {sp['samples_per_s_sync'][0]:.3f}-{sp['samples_per_s_sync'][1]:.3f}, "
+              f"async {sp['samples_per_s_async'][0]:.3f}-{sp['samples_per_s_async'][1]:.3f}; learner_idle_pct "
+              f"sync {sp['learner_idle_pct_sync'][0]:.1f}-{sp['learner_idle_pct_sync'][1]:.1f}, "
+              f"async {sp['learner_idle_pct_async'][0]:.1f}-{sp['learner_idle_pct_async'][1]:.1f}; "
+              f"speedup {sp['speedup_async_vs_sync'][0]:.2f}-{sp['speedup_async_vs_sync'][1]:.2f}")
     print(f"speedup_async_vs_sync {result['speedup_async_vs_sync']:.2f}  "
           f"time_to_target_ratio {result['time_to_target_ratio']}  (target {result['target_reward']:.3f})")
 

@@ -93,6 +93,20 @@ def bandwidth_floor(model, batch: int, prompt_len: int, new_tokens: int, bytes_p
             "floor_step_ms": step_s * 1e3, "floor_tok_s": batch / step_s}
 
 
+def kv_memory(engine) -> dict:
+    """KV memory of ``engine`` in GiB: allocated, in use at the peak (paged), the static cache of its shape."""
+    cache, gib = engine.cache, float(1 << 30)
+    paged = hasattr(cache, "block_size")
+    positions = cache.num_blocks * cache.block_size if paged else engine.batch * engine.max_len
+    per_pos = cache.bytes() / positions
+    out = {"kv_pool_gib": cache.bytes() / gib,
+           "kv_static_gib": engine.batch * engine.max_len * per_pos / gib}
+    if paged:
+        out.update(kv_block_size=cache.block_size, preemptions=engine.preemptions,
+                   kv_used_gib=cache.peak_blocks * cache.block_size * per_pos / gib)
+    return out
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -102,12 +116,17 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
                            prompt_len: int = 16, new_tokens: int = 32, seed: int = 0,
                            bandwidth_tb_s: float = 4.8, skip_generate: bool = False,
                            compile: bool | None = None, model_path: str | None = None, span_bucket: int = 128,
-                           generate_tokens: int | None = None) -> dict:
+                           generate_tokens: int | None = None, kv_cache: str = "static", block_size: int = 16,
+                           spread_lengths: bool = False) -> dict:
     """Tokens/s of :class:`FastHFEngine` and of ``model.generate()`` side by side; returns figures.
 
     ``model_path``: an HF folder instead of the random ``preset`` (e.g. SmolLM2); ``generate_tokens``:
     time plain ``generate()`` on this many new tokens only (default ``new_tokens``; it runs ~80 ms
     a step on the GPU, so thousands of steps do not fit a short run), reported as ``generate_new_tokens``.
+    ``kv_cache``/``block_size``: the engine's KV memory (``kv_pool_gib`` allocated, ``kv_used_gib``
+    at the peak, ``kv_static_gib`` what the static cache takes for the shape). ``spread_lengths``:
+    response caps drawn uniformly from ``1..new_tokens`` per request (real responses end at
+    different lengths); the fast path then counts the tokens it drew.
     """
     from streamrl.engines.hf_fast import FastHFEngine
 
@@ -125,19 +144,23 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
         out["gpu"] = torch.cuda.get_device_name()
 
     engine = FastHFEngine(model, None, device=device, batch_size=batch, max_seq_len=prompt_len + new_tokens,
-                          eos_token_id=no_eos, compile=compile, span_bucket=span_bucket)
+                          eos_token_id=no_eos, compile=compile, span_bucket=span_bucket, kv_cache=kv_cache,
+                          block_size=block_size)
     plist = prompts.tolist()
+    caps = torch.randint(1, new_tokens + 1, (batch,), generator=gen).tolist() if spread_lengths else None
     t0 = time.perf_counter()
     engine.generate(plist, new_tokens, 1.0)  # warm-up: captures the graphs
     _sync(device)
     out["fast_warmup_s"] = time.perf_counter() - t0
+    engine.cache.peak_blocks = 0
     t0 = time.perf_counter()
-    res = engine.generate(plist, new_tokens, 1.0)
+    res = engine.generate(plist, new_tokens, 1.0, max_tokens=caps)
     _sync(device)
     dt = time.perf_counter() - t0
     n_fast = sum(len(t) for t in res.tokens)
     out.update(fast_tokens=n_fast, fast_s=dt, fast_tok_s=n_fast / dt, fast_step_ms=dt / new_tokens * 1e3,
-               graphs_captured=engine.captures, compiled=engine._compiled)
+               graphs_captured=engine.captures, compiled=engine._compiled, kv_cache=kv_cache,
+               spread_lengths=spread_lengths, **kv_memory(engine))
 
     if not skip_generate:
         ids = prompts.to(device)
@@ -243,6 +266,9 @@ def main(argv=None) -> int:
     p.add_argument("--model-path", default=None, help="HF folder to run instead of --preset (e.g. a SmolLM2 folder)")
     p.add_argument("--span-bucket", type=int, default=128, help="attended-span bucket of the CUDA graphs (one each)")
     p.add_argument("--generate-tokens", type=int, default=None, help="new tokens of the plain generate() run")
+    p.add_argument("--kv-cache", default="static", choices=["static", "paged"], help="KV memory of the engine")
+    p.add_argument("--block-size", type=int, default=16, help="positions per block of the paged cache")
+    p.add_argument("--spread-lengths", action="store_true", help="response caps uniform in 1..new-tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     a = p.parse_args(argv)
@@ -253,7 +279,8 @@ def main(argv=None) -> int:
             batch=a.batch or (256 if big else 16), prompt_len=a.prompt_len or (128 if big else 16),
             new_tokens=a.new_tokens or (256 if big else 32), seed=a.seed, bandwidth_tb_s=a.bandwidth_tb_s,
             skip_generate=a.skip_generate, compile=False if a.no_compile else None, model_path=a.model_path,
-            span_bucket=a.span_bucket, generate_tokens=a.generate_tokens)
+            span_bucket=a.span_bucket, generate_tokens=a.generate_tokens, kv_cache=a.kv_cache,
+            block_size=a.block_size, spread_lengths=a.spread_lengths)
     except ValueError as e:
         print(f"hf_fast bench: {e}", file=sys.stderr)
         return 2

@@ -48,9 +48,18 @@ def build_engine(cfg: Config, model=None, tok=None):
         if model is None:
             model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
         # One slot per sequence of a worker batch: the batch stays full through refills.
+        blocks = None
+        if rc.kv_cache == "paged" and rc.kv_pool_mb:
+            from streamrl.engines.paged_kv import pool_blocks
+
+            mc = model.config
+            blocks = pool_blocks(rc.kv_pool_mb << 20, mc.num_hidden_layers, mc.num_key_value_heads,
+                                 getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads,
+                                 next(model.parameters()).element_size(), rc.kv_block_size)
         return FastHFEngine(model, tok, device=rc.device, batch_size=rc.prompts_per_batch * rc.group_size,
                             max_seq_len=rc.max_model_len, record_routing=rc.record_routing,
-                            share_prompts=rc.enable_prefix_caching)
+                            share_prompts=rc.enable_prefix_caching, kv_cache=rc.kv_cache,
+                            block_size=rc.kv_block_size, kv_blocks=blocks)
     if rc.engine == "vllm":
         from streamrl.engines.vllm_engine import VLLMEngine
 

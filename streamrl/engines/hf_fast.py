@@ -12,6 +12,9 @@ with its own loop:
   including what an earlier sequence left in the slot. That is why a slot can be reused
   without clearing, and why no KV survives a :meth:`generate` call (each call prefills its
   prompts), so a weight update can never meet stale KV.
+* **Paged KV** (``kv_cache="paged"``, :mod:`streamrl.engines.paged_kv`): a block pool used as
+  sequences grow instead of the static slots; a group's full prompt blocks are shared, the
+  pool's size is a budget (a sequence that finds it empty is preempted and recomputed later).
 * **Fixed-shape decode step** over all ``B`` slots (idle/finished slots compute and are
   ignored), captured once per attended-span bucket in a CUDA graph. The graph reads the
   parameters by address, so :meth:`load_weights` copies into the same storage and the next
@@ -47,7 +50,10 @@ from typing import Iterable
 import torch
 
 from streamrl.engines.base import BetweenSteps, Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
+from streamrl.engines.paged_kv import PagedKVCache
 from streamrl.engines.static_kv import ATTN, StaticKVCache, sample_tokens
+
+KV_CACHES = ("static", "paged")
 
 def _routers(model) -> list[torch.nn.Module]:
     """MoE routers in layer order (transformers 5 top-k routers return ``(logits, weights, ids)``)."""
@@ -72,6 +78,11 @@ class FastHFEngine:
             (one graph each); eager steps attend exactly the written positions.
         sync_every: decode steps between reads of the ``done`` flags (refill granularity).
         share_prompts: prefill identical prompts of one refill once and fork their K/V (groups).
+        kv_cache: "static" (a ``[B, Hkv, S, D]`` slot per sequence) or "paged" (a block pool used as
+            sequences grow, shared prompt blocks, preemption when it runs out; see
+            :mod:`streamrl.engines.paged_kv`).
+        block_size: positions per block of the paged cache (``span_bucket`` must be a multiple).
+        kv_blocks: blocks of the paged pool (default: as many positions as the static cache).
         experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
             ``grouped_mm`` on CUDA in bf16/fp16, ``batched_mm`` on CUDA in fp32 (torch's grouped
             GEMM is bf16-only there and its fallback syncs), the model's own setting on CPU.
@@ -83,10 +94,14 @@ class FastHFEngine:
                  max_seq_len: int | None = None, top_k: int = 0, top_p: float = 1.0,
                  record_routing: bool = False, cuda_graphs: bool | None = None, span_bucket: int = 128,
                  sync_every: int = 8, experts_implementation: str | None = "auto",
-                 eos_token_id: int | None = None, compile: bool | None = None, share_prompts: bool = True):
+                 eos_token_id: int | None = None, compile: bool | None = None, share_prompts: bool = True,
+                 kv_cache: str = "static", block_size: int = 16, kv_blocks: int | None = None):
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache = {kv_cache!r}: must be one of {KV_CACHES}")
         for field, value, ok in (("batch_size", batch_size, batch_size > 0), ("top_k", top_k, top_k >= 0),
                                  ("top_p", top_p, 0.0 < top_p <= 1.0), ("span_bucket", span_bucket, span_bucket > 0),
-                                 ("sync_every", sync_every, sync_every > 0)):
+                                 ("sync_every", sync_every, sync_every > 0), ("block_size", block_size, block_size > 0),
+                                 ("span_bucket", span_bucket, kv_cache == "static" or span_bucket % block_size == 0)):
             if not ok:
                 raise ValueError(f"{field} = {value!r} is out of range")
         self.device = torch.device(device)
@@ -117,7 +132,13 @@ class FastHFEngine:
         self.experts_impl = experts_implementation
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dev, b, s = self.device, batch_size, self.max_len
-        self.cache = StaticKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev)
+        self.paged = kv_cache == "paged"
+        if self.paged:
+            self.cache = PagedKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev,
+                                      block_size=block_size, num_blocks=kv_blocks)
+        else:
+            self.cache = StaticKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev)
+        self.preemptions = 0  # paged: sequences restarted because the pool ran out
         # Slot state, read and written in place by the captured step.
         self.tok = torch.zeros(b, dtype=torch.long, device=dev)      # last drawn token (fed next)
         self.pos = torch.zeros(b, dtype=torch.long, device=dev)      # its position
@@ -128,7 +149,7 @@ class FastHFEngine:
         self.out_tok = torch.zeros(b, s + 1, dtype=torch.long, device=dev)  # column s: trash for idle rows
         self.out_lp = torch.zeros(b, s + 1, dtype=torch.float32, device=dev)
         self.rows = torch.arange(b, device=dev)
-        self.positions = torch.arange(s, device=dev)
+        self.positions = torch.arange(self.cache.max_span, device=dev)
         self.routers = _routers(model) if record_routing else []
         self.route_hist = None
         if self.routers:
@@ -195,6 +216,8 @@ class FastHFEngine:
         rows = torch.tensor(lead_slots, device=self.device)
         pos_ids = self.positions[:p].expand(n, p)
         causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None, None]
+        short = self.cache.grow(lead_slots, [len(q) for q in unique])
+        assert not short, "KV pool exhausted inside an admitted prefill"
         self.cache.prefill, self.cache.rows = True, rows
         if self.routers:
             self._route_at = (rows.repeat_interleave(p), self.positions[:p].repeat(n))
@@ -210,7 +233,8 @@ class FastHFEngine:
             forks = [i for i, s in enumerate(slots) if s not in lead_slots]
             dst = all_rows[forks]
             from_rows = rows[pick[forks]]
-            self.cache.fork(from_rows, dst, p)
+            self.cache.fork([lead_slots[src[i]] for i in forks], [slots[i] for i in forks],
+                            [len(prompts[i]) for i in forks])
             if self.route_hist is not None:
                 self.route_hist[dst, :p] = self.route_hist[from_rows, :p]
             logits, lens = logits[pick], lens[pick]
@@ -314,6 +338,9 @@ class FastHFEngine:
             if not q or len(q) + max_new_tokens > self.max_len:
                 raise ValueError(f"prompts[{i}]: length {len(q)} + max_new_tokens {max_new_tokens} "
                                  f"must be in [1, max_seq_len={self.max_len}]")
+            if self.cache.blocks_for(len(q) + caps[i]) > self.cache.num_blocks - 1:
+                raise ValueError(f"prompts[{i}]: length {len(q)} + cap {caps[i]} needs more KV blocks than "
+                                 f"the pool holds ({self.cache.num_blocks - 1} of {self.cache.block_size})")
         greedy = temperature == 0
         self.temp.fill_(1.0 if greedy else float(temperature))
         self.done.fill_(True)
@@ -339,7 +366,12 @@ class FastHFEngine:
                 current[0] = int(update[0])
 
         def fill(free: list[int]) -> None:
-            take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+            # Admit while the pool has room for each prompt and its first decoded position
+            # (counted as if unshared: sharing only uses less). Static caches always have room.
+            budget, take = self.cache.free_blocks, []
+            while queue and len(take) < len(free) and self.cache.blocks_for(len(prompts[queue[0]]) + 1) <= budget:
+                budget -= self.cache.blocks_for(len(prompts[queue[0]]) + 1)
+                take.append(queue.popleft())
             for i in range(0, len(take), self.batch):
                 chunk = take[i:i + self.batch]
                 slots = free[i:i + len(chunk)]
@@ -365,19 +397,39 @@ class FastHFEngine:
                 if slot_v is not None:
                     out_v[j] = slot_v[s][: n[r]]
                 owner[s] = -1
+            self.cache.release(slots)
+
+        def preempt(s: int) -> None:
+            """Give up slot ``s``'s sequence (pool exhausted): free its blocks, queue its prompt again."""
+            self.cache.release([s])
+            self.done[s] = True
+            queue.appendleft(owner[s])
+            owner[s] = -1
+            self.preemptions += 1
+
+        def grow(live: list[int]) -> list[int]:
+            """Blocks for the position each live slot writes next; preempt the least advanced on shortage."""
+            while live and self.paged:  # a static slot always has room
+                short = self.cache.grow(live, [host_pos[s] + 1 for s in live])
+                if not short:
+                    break
+                victim = min(live, key=lambda s: (host_gen[s], -s))
+                preempt(victim)
+                live = [s for s in live if s != victim]
+            return live
 
         with self._impl():
             poll()
             fill(list(range(self.batch)))
             steps = 0
             while any(o >= 0 for o in owner):
-                live = [s for s in range(self.batch) if owner[s] >= 0 and host_gen[s] < cap[s]]
+                live = grow([s for s in range(self.batch) if owner[s] >= 0 and host_gen[s] < cap[s]])
                 if live:
                     poll()
                     top = max(host_pos[s] for s in live) + 1
-                    # graphs need few fixed shapes; eager steps attend exactly what is written
-                    bucket = self.span_bucket if self.graphs_on else 1
-                    span = min(-(-top // bucket) * bucket, self.max_len)
+                    # graphs need few fixed shapes; eager steps attend what is written (whole blocks)
+                    bucket = self.span_bucket if self.graphs_on else self.cache.span_quantum
+                    span = min(-(-top // bucket) * bucket, self.cache.max_span)
                     self._step(span, greedy)
                     steps += 1
                     for s in live:
@@ -392,7 +444,9 @@ class FastHFEngine:
                     finished = [s for s in range(self.batch) if owner[s] >= 0 and done[s]]
                     if finished:
                         harvest(finished)
-                        fill(finished)
+                    free = [s for s in range(self.batch) if owner[s] < 0]
+                    if queue and free:  # slots freed now, or earlier but then short of KV blocks
+                        fill(free)
         return Generation(tokens=out_t, logprobs=out_l, routed_experts=out_r if self.routers else None,
                           versions=out_v if slot_v is not None else None)
 

@@ -58,11 +58,36 @@ class StaticKVCache:
         self.span = max_len
         self.prefill = False
 
-    def fork(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
-        """Copy positions ``0..length-1`` of slots ``src`` [n] into slots ``dst`` [n] (a shared prefix)."""
+    # Host-side interface shared with PagedKVCache: a static slot always has room.
+    span_quantum = 1
+    num_blocks = free_blocks = 1 << 62
+    peak_blocks = 0
+
+    @property
+    def max_span(self) -> int:
+        return self.k[0].shape[2]
+
+    def bytes(self) -> int:
+        """Device bytes of the cache (K and V, all layers)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def blocks_for(self, length: int) -> int:
+        return 0
+
+    def grow(self, slots: list[int], lengths: list[int]) -> list[int]:
+        return []
+
+    def release(self, slots: list[int]) -> None:
+        pass
+
+    def fork(self, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        """Copy positions ``0..lengths[i]-1`` of slot ``src[i]`` into slot ``dst[i]`` (a shared prefix)."""
+        dev = self.k[0].device
+        n = max(lengths)
+        fr, to = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
         for k, v in zip(self.k, self.v):
-            k[dst, :, :length] = k[src, :, :length]
-            v[dst, :, :length] = v[src, :, :length]
+            k[to, :, :n] = k[fr, :, :n]
+            v[to, :, :n] = v[fr, :, :n]
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         k, v = self.k[layer_idx], self.v[layer_idx]

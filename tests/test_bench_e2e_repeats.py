@@ -1,0 +1,38 @@
+"""``streamrl-bench e2e --repeats``: medians, min-max spreads and per-pair ratios of run figures."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from streamrl.bench.e2e import parse_args, summarize
+
+
+def _run(name: str, samples_per_s: float, idle_frac: float, steps: int = 4) -> dict:
+    """A run as :func:`streamrl.bench.e2e.run_once` returns it: ``steps`` records of 1 s each."""
+    records = [{"wall_s": float(i + 1), "learner/samples": samples_per_s * (i + 1), "learner/trained_tokens": 10,
+                "learner/idle_s": idle_frac, "learner/step_s": 1.0 - idle_frac, "learner/reward_mean": 0.1 * i,
+                "learner/staleness_mean": 0.0} for i in range(steps)]
+    summary = {"transport": {}, "reward_first": 0.0, "samples_dropped_stale": 0}
+    return {"name": name, "records": records, "summary": summary, "launch_wall_s": 5.0}
+
+
+def test_repeats_give_medians_and_spreads(tmp_path):
+    args = argparse.Namespace(target=None, staleness=4, learners=1, rollers=1, steps=4, config="c.yaml")
+    pairs = [(_run("sync-0", 10, 0.5), _run("async-0", 18, 0.1)),
+             (_run("sync-1", 12, 0.7), _run("async-1", 30, 0.2)),
+             (_run("sync-2", 11, 0.6), _run("async-2", 20, 0.3))]
+    res = summarize(args, pairs, tmp_path / "p.png")
+    assert res["repeats"] == 3
+    assert res["sync"]["samples_per_s"] == pytest.approx(11) and res["async"]["samples_per_s"] == pytest.approx(20)
+    assert res["speedup_async_vs_sync"] == pytest.approx(20 / 11)
+    assert res["spread"]["speedup_async_vs_sync"] == pytest.approx([1.8, 2.5])  # per-pair ratios
+    assert res["spread"]["samples_per_s_sync"] == pytest.approx([10, 12])
+    assert res["spread"]["learner_idle_pct_async"] == pytest.approx([10, 30])
+    assert res["async"]["learner_idle_pct"] == pytest.approx(20)
+    assert [r["speedup_async_vs_sync"] for r in res["runs"]] == pytest.approx([1.8, 2.5, 20 / 11])
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_repeats_default_three():
+    assert parse_args([]).repeats == 3 and parse_args(["--repeats", "1"]).repeats == 1
