@@ -73,6 +73,8 @@ def make_config(args, impl: str):
         f"rollout.max_new_tokens={args.response_len}", "rollout.temperature=1.0", "learner.lr=1e-6",
         "learner.aux_loss_coef=0", f"learner.max_tokens_per_microbatch={args.budget}",
         f"learner.shared_prompt={'true' if impl == 'shared' else 'false'}",
+        # A bench batch of groups of one has no GRPO signal: the step must still run in full.
+        "learner.skip_no_signal=false",
     ])
 
 
@@ -146,7 +148,9 @@ def run_child(args) -> int:
     sync()
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        padded_step(tr, batch) if impl == "padded" else tr.step(batch)
+        m = padded_step(tr, batch) if impl == "padded" else tr.step(batch)
+        if m and m.get("learner/skipped_no_signal"):
+            raise RuntimeError("the timed step was skipped (no signal): the figures would time nothing")
     sync()
     step_s = (time.perf_counter() - t0) / args.steps
     pad = to_padded(batch, tr.pad_id)
