@@ -76,6 +76,10 @@ def counter_rate(entries: list[dict[str, float]], key: str, t_lo: float, t_hi: f
             "first": pts[0], "last": pts[-1]}
 
 
+# Processes of the Hybrid roles placed apart (their servers write metrics under these names).
+ROLE_PROCESSES = ("reward", "reference", "critic")
+
+
 def _mean(vals: list[float]) -> float | None:
     vals = [v for v in vals if v is not None and math.isfinite(v)]
     return sum(vals) / len(vals) if vals else None
@@ -171,6 +175,7 @@ class SnapshotBuilder:
             **self._critic(learner, latest_l, t_lo, t_hi),
             **self._credit(state),
             **self._env(state, workers),
+            **self._roles(history, state, now, t_lo, t_hi),
         }
 
     def _staleness(self, learner, latest) -> dict[str, Any]:
@@ -229,6 +234,31 @@ class SnapshotBuilder:
                         "tool_calls_total": total("env/tool_calls_total"),
                         "tool_errors_total": total("env/tool_errors_total"),
                         "tool_timeouts_total": total("env/tool_timeouts_total"), "tools_hung": total("env/tools_hung")}}
+
+    @staticmethod
+    def _roles(history, state, now, t_lo, t_hi) -> dict[str, Any]:
+        """``{"roles": {name: {...}}}`` for the Hybrid role servers a run placed apart (reward,
+        reference, critic: streamrl.roles), else ``{}``. Per role: trajectories scored per
+        second, scoring seconds per batch, seconds since its last report (a stuck or restarting
+        server shows here first), rejected requests and failed batches since its start; the
+        critic adds its training step, value loss and explained variance."""
+        out: dict[str, Any] = {}
+        for role in ROLE_PROCESSES:
+            h = list(history.get(role, []))
+            latest = state.latest.get(role) or (h[-1] if h else None)
+            if not latest:
+                continue
+            scored = counter_rate(h, "reward/pairs" if role == "reward" else f"{role}/trajectories", t_lo, t_hi)
+            batches = counter_rate(h, f"{role}/batches", t_lo, t_hi)
+            busy = counter_rate(h, f"{role}/score_s", t_lo, t_hi)
+            row = {"trajectories_per_s": scored["rate"] if scored else None,
+                   "score_s_per_batch": busy["count"] / batches["count"] if busy and batches and batches["count"] else None,
+                   "last_report_s": max(now - ts(latest), 0.0) if ts(latest) >= 0 else None,
+                   "rejected": latest.get(f"{role}/rejected"), "errors": latest.get(f"{role}/errors")}
+            if role == "critic":
+                row.update({k: latest.get(f"critic/{k}") for k in ("step", "value_loss", "explained_variance")})
+            out[role] = row
+        return {"roles": out} if out else {}
 
     def _weights(self, latest, state, workers) -> dict[str, Any]:
         """Learner side: gather (full tensors from shards) and write into the data plane.

@@ -83,6 +83,7 @@ def totals_panel(s: dict) -> Panel:
     ]
     rows += critic_rows(s)
     rows += env_rows(s)
+    rows += role_rows(s)
     return Panel(_kv_table(rows), title=f"Totals (last {s['window_s']:.0f} s)", box=box.SQUARE)
 
 
@@ -121,6 +122,23 @@ def env_rows(s: dict) -> list[tuple[str, str | Text]]:
         ("tool err / timeout / hung", bad),
         ("tool latency", fmt_s(e.get("tool_latency_s"))),
     ]
+
+
+def role_rows(s: dict) -> list[tuple[str, str | Text]]:
+    """Rows per role server placed apart (reward, reference, critic): scored trajectories/s,
+    time per batch, age of its last report; the critic's step and explained variance; rejected
+    requests and failed batches, flagged in words, when there are any."""
+    rows: list[tuple[str, str | Text]] = []
+    for role, r in (s.get("roles") or {}).items():
+        rows.append((f"{role} traj/s", fmt(r.get("trajectories_per_s"))))
+        rows.append((f"{role} time / batch", fmt_s(r.get("score_s_per_batch"))))
+        rows.append((f"{role} last report", f"{fmt_s(r.get('last_report_s'))} ago"))
+        if role == "critic" and r.get("step") is not None:
+            rows.append(("critic step / EV", f"{fmt(r.get('step'))} / {fmt(r.get('explained_variance'))}"))
+        rejected, failed = r.get("rejected") or 0, r.get("errors") or 0
+        if rejected or failed:
+            rows.append((f"{role} rej / failed", Text(f"{fmt(rejected)} / {fmt(failed)} bad", style="yellow")))
+    return rows
 
 
 def history_panel(s: dict) -> Panel:
