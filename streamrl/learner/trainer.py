@@ -37,7 +37,12 @@ from streamrl.parallel.mesh import build_mesh
 from streamrl.trajectory import num_trajectories
 
 
-def clip_grad_norm(params, max_norm: float, group=None) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, group=None) -> float:
+    """:func:`clip_grad_norm_on_device`, the norm read back as a float (waits for the device)."""
+    return float(clip_grad_norm_on_device(params, max_norm, group))
+
+
+def clip_grad_norm_on_device(params, max_norm: float, group=None) -> torch.Tensor:
     """Clip gradients to a global L2 norm; returns the norm before clipping (0-dim float64 tensor
     on the gradients' device; nothing here waits for the device).
 
@@ -382,7 +387,7 @@ class Trainer:
             if routers and self.router.frozen:  # the unfreeze gates read router metrics: a wait, while frozen only
                 self.router.update_freeze(self.steps_done, _host_metrics(acc))
             self.router.drop_grads()
-            acc["learner/grad_norm"] = clip_grad_norm(self.model.parameters(), lc.grad_clip, self.mesh.dp_group)
+            acc["learner/grad_norm"] = clip_grad_norm_on_device(self.model.parameters(), lc.grad_clip, self.mesh.dp_group)
             self.optim.step()
             if self.router.ema:
                 self.router.update_ema()
