@@ -60,7 +60,8 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if dropout > 0 and module.training:
         raise ValueError("learner.attention = flex: the model has attention dropout, which FlexAttention lacks; "
                          "use learner.attention = sdpa")
-    flex = _compiled_flex() if query.is_cuda else _eager_flex()
+    # inside a compiled layer (learner.compile) dynamo traces flex_attention itself
+    flex = _eager_flex() if torch.compiler.is_compiling() or not query.is_cuda else _compiled_flex()
     out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 

@@ -50,7 +50,8 @@ def clip_grad_norm_on_device(params, max_norm: float, group=None) -> torch.Tenso
     ``dp_shard``) where ``torch.nn.utils.clip_grad_norm_`` cannot mix DTensor meshes: every
     rank holds a disjoint shard of every gradient, so the squared norm is a sum over ranks.
     Like ``clip_grad_norm_(foreach=True)`` the scale ``min(1, max_norm / (norm + 1e-6))`` is
-    applied on the device, to every gradient (a no-op multiply by 1 below the limit).
+    applied on the device, to every gradient (a multiply by 1 below the limit, skipped on CPU
+    where reading the norm costs nothing).
     """
     import torch.distributed as dist
 
@@ -63,6 +64,8 @@ def clip_grad_norm_on_device(params, max_norm: float, group=None) -> torch.Tenso
         dist.all_reduce(sq, group=group)
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if coef.device.type == "cpu" and float(coef) >= 1.0:  # reading a CPU value waits for nothing
+        return norm
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for x in local:
         by_dtype.setdefault(x.dtype, []).append(x)
