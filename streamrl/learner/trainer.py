@@ -350,7 +350,8 @@ class Trainer:
                 add("learner/vtrace_advantage_abs_mean", (a.abs() * mask).sum().detach() / n_tok)
                 for k, v in critic_metrics(values, vs, mask, self.mesh.dp_group).items():
                     add(k, v / len(micro))
-            pg_loss, stats = compute_policy_loss(lc, logp, prox_logp, behav, a, mask, n_tok, n_seq, norm_len)
+            pg_loss, stats = compute_policy_loss(lc, logp, prox_logp, behav, a, mask, n_tok, n_seq, norm_len,
+                                                tensor_stats=True)
             loss = loss + pg_loss
             n_m = float(grid.loss_mask[m.rows].sum()) * live
             add("learner/loss", pg_loss.detach())
