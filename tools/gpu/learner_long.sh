@@ -8,7 +8,8 @@
 #   hf:       (HF=1) streamrl.bench.learner_step --impl hf_grouped_mm (transformers' own MoE block
 #             with grouped_mm, full-vocab log-softmax, padded batch), same 1.31 B Qwen3-MoE shape.
 # 32k tokens per step at every length; 64-token prompts. One JSON line per length.
-# Env: LENS (default "1024 4096 16384 32768"), STEPS (3), BUDGET (32768), ATTN (flex),
+# Env: LENS (default "1024 4096 16384 32768"), STEPS (3), BUDGET (32768), ATTN (flex), AC_FROM (16384:
+#      activation checkpointing from this sequence length on),
 #      HF (0: skip the transformers baseline, measured already), PROFILE (0: or N profiled steps
 #      at each length; the top-25 kernel table lands in $OUT/profile-L.txt).
 # Budget: < 8 min without HF (model built once ~1 min; each length compiles flex ~1 min).
@@ -21,7 +22,7 @@ BUDGET=${BUDGET:-32768}
 OUT=${OUT:-/tmp}
 for L in ${LENS:-1024 4096 16384 32768}; do
   B=$((32768 / L))
-  AC=""; [ "$L" -ge 16384 ] && AC=--activation-checkpointing
+  AC=""; [ "$L" -ge "${AC_FROM:-16384}" ] && AC=--activation-checkpointing
   PROF=""; [ "${PROFILE:-0}" -gt 0 ] && PROF="--profile $PROFILE --profile-out $OUT/profile-$L.txt"
   timeout ${RUN_TIMEOUT:-240} python3 -m streamrl.bench.learner --synthetic-moe --model $MODEL --device cuda \
     --dtype bfloat16 --impl packed --groups $B --group-size 1 --prompt-len 64 --response-len $((L - 64)) \
