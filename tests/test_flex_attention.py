@@ -101,8 +101,9 @@ def test_metrics_read_once_match_the_padded_step():
 @pytest.mark.parametrize("shared", [False, True])
 def test_flex_gradients_equal_sdpa_on_gpu(shared):
     batch = group_batch(3)
-    extra = ["learner.device=cuda", "model.dtype=float32", "learner.mixed_precision=false", f"learner.shared_prompt={'true' if shared else 'false'}",
-             "learner.max_tokens_per_microbatch=40", "learner.aux_loss_coef=0"]
+    extra = ["learner.device=cuda", "model.dtype=float32", "learner.mixed_precision=false",
+             f"learner.shared_prompt={'true' if shared else 'false'}", "learner.max_tokens_per_microbatch=40",
+             "learner.aux_loss_coef=0"]
     ref, flex = _trainer([*extra, "learner.attention=sdpa"]), _trainer([*extra, "learner.attention=flex"])
     flex.model.load_state_dict(ref.model.state_dict())
     mr, mf = ref.gradients(batch), flex.gradients(batch)
