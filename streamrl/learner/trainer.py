@@ -391,7 +391,8 @@ class Trainer:
             if routers and self.router.frozen:  # the unfreeze gates read router metrics: a wait, while frozen only
                 self.router.update_freeze(self.steps_done, _host_metrics(acc))
             self.router.drop_grads()
-            acc["learner/grad_norm"] = clip_grad_norm_on_device(self.model.parameters(), lc.grad_clip, self.mesh.dp_group)
+            acc["learner/grad_norm"] = clip_grad_norm_on_device(self.model.parameters(), lc.grad_clip,
+                                                                self.mesh.dp_group)
             self.optim.step()
             if self.router.ema:
                 self.router.update_ema()
