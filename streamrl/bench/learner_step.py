@@ -128,7 +128,7 @@ def profile_breakdown(step, n: int, device, sync, table_path: str = "", top: int
         fam[f] = fam.get(f, 0.0) + ms
     total = sum(fam.values())
     if table_path:
-        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         with open(table_path, "w") as f:
             f.write(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=80))
     top = sorted(rows, key=lambda r: -r[1])[:top]
