@@ -193,8 +193,12 @@ def policy_loss(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
     norm_len: float | None = None,
+    tensor_stats: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip against the proximal policy, weighted by an off-policy correction, aggregated.
+
+    ``tensor_stats``: the stats as 0-dim device tensors, computed without waiting for the
+    device (the learner's loop reads them once per step), instead of floats.
 
     ``coupled=True`` is standard PPO that ignores staleness: the ratio is taken against the
     behaviour policy ``pi_theta / mu`` and no extra weight is applied.
@@ -209,6 +213,8 @@ def policy_loss(
     tok_loss, ratio, clipped = ppo_clip_token_loss(logp, old, advantages, clip_low, clip_high, dual_clip)
     w, raw = importance_weights(prox_logp, behav_logp, mask, "none" if coupled else is_mode, is_cap, is_low)
     loss = aggregate(tok_loss * w, mask, agg, num_tokens, num_seqs, norm_len)
+    if tensor_stats:
+        return loss, masked_stats(clipped, raw, mask, is_cap if is_mode != "none" else None)
     with torch.no_grad():
         m = mask.bool()
         n = max(int(m.sum()), 1)
@@ -218,6 +224,20 @@ def policy_loss(
             "is_truncated_frac": float((raw[m] > is_cap).sum()) / n if is_mode != "none" else 0.0,
         }
     return loss, stats
+
+
+@torch.no_grad()
+def masked_stats(clipped: torch.Tensor, raw: torch.Tensor, mask: torch.Tensor,
+                 is_cap: float | None) -> dict[str, torch.Tensor]:
+    """``clip_frac``, ``is_weight_mean`` (1 without tokens), ``is_truncated_frac`` (0 when
+    ``is_cap`` is None) over the masked tokens, as 0-dim tensors; no boolean indexing, so no
+    wait for the device. clipped, raw: [B, T] (raw may be [B, 1]); mask: [B, T]."""
+    m = mask.bool()
+    n = m.sum().clamp(min=1).to(torch.float32)
+    raw_m = torch.where(m, raw, torch.zeros((), dtype=raw.dtype, device=raw.device))
+    weight_mean = torch.where(m.any(), raw_m.sum() / n, torch.ones((), device=raw.device))
+    trunc = ((raw_m > is_cap) & m).sum() / n if is_cap is not None else torch.zeros((), device=raw.device)
+    return {"clip_frac": (clipped & m).sum() / n, "is_weight_mean": weight_mean, "is_truncated_frac": trunc}
 
 
 def gspo_loss(

@@ -19,6 +19,11 @@ gradient pass), ``tokens_per_s`` (prompt + response tokens of the batch per seco
 ``max_abs_logprob_diff`` (response-token log-probs before the step) and ``max_abs_grad_diff``
 (every parameter's gradient of the first pass). With ``--json`` the last line is one JSON object.
 
+``--attention`` picks ``learner.attention`` (auto: FlexAttention block masks on CUDA, sdpa
+on CPU); ``--profile N`` profiles N more steps with torch.profiler and writes its table of
+the top 25 kernels by self device time to ``--profile-out`` (kernel families and top kernels
+also go into the JSON).
+
 ``--synthetic-moe`` (the GPU case, ``tools/gpu/learner_long.sh``): the 1.31 B Qwen3-MoE of
 :mod:`streamrl.bench.learner_step` (same shapes, random weights), saved once as an HF folder
 into ``--model`` when that folder does not exist yet, random prompts of ``--prompt-len`` tokens, and achieved
@@ -57,6 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--synthetic-moe", action="store_true", help="the learner_step 1.31 B MoE instead of --model")
     p.add_argument("--prompt-len", type=int, default=0, help="random prompts of this length (0: chat arithmetic)")
     p.add_argument("--peak", type=float, default=790.0, help="bf16 peak TFLOP/s per device for mfu")
+    p.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex"), help="learner.attention")
+    p.add_argument("--profile", type=int, default=0,
+                   help="after the timed steps, profile this many steps: top-25 kernel table into --profile-out, "
+                        "kernel families and top kernels into the JSON")
+    p.add_argument("--profile-out", default="learner_profile.txt", help="the profiler table of --profile")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--workdir", default="", help=argparse.SUPPRESS)
@@ -72,6 +82,7 @@ def make_config(args, impl: str):
         f"learner.activation_checkpointing={'true' if args.activation_checkpointing else 'false'}",
         f"rollout.max_new_tokens={args.response_len}", "rollout.temperature=1.0", "learner.lr=1e-6",
         "learner.aux_loss_coef=0", f"learner.max_tokens_per_microbatch={args.budget}",
+        f"learner.attention={args.attention}",
         f"learner.shared_prompt={'true' if impl == 'shared' else 'false'}",
         # A bench batch of groups of one has no GRPO signal: the step must still run in full.
         "learner.skip_no_signal=false",
@@ -164,6 +175,16 @@ def run_child(args) -> int:
         res["peak_cuda_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     if args.synthetic_moe:
         res.update(_flops(args, tr, float(pad["attention_mask"].sum()) / step_s))
+    res["attention"] = tr.attention
+    res["microbatches_per_step"] = len(tr._prepare(batch)[3][0][0])
+    if args.profile:
+        from streamrl.bench.learner_step import profile_breakdown
+
+        step = (lambda: padded_step(tr, batch)) if impl == "padded" else (lambda: tr.step(batch))
+        out = Path(args.profile_out)
+        out = str(out if impl == "packed" else out.with_name(f"{impl}_{out.name}"))
+        res["profile"] = profile_breakdown(step, args.profile, tr.device, sync, table_path=out, top=25)
+        res["profile_table"] = out
     (work / f"{impl}.json").write_text(json.dumps(res))
     return 0
 

@@ -97,8 +97,12 @@ _FAMILIES = (
 )
 
 
-def profile_breakdown(step, n: int, device, sync) -> dict:
-    """Device time per kernel family over ``n`` steps, plus the top kernels (ms per step)."""
+def profile_breakdown(step, n: int, device, sync, table_path: str = "", top: int = 15) -> dict:
+    """Device time per kernel family over ``n`` steps, plus the ``top`` kernels (ms per step).
+
+    ``table_path``: also write torch.profiler's table of the ``top`` entries by self device
+    time (CPU time on CPU) there.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -123,7 +127,11 @@ def profile_breakdown(step, n: int, device, sync) -> dict:
         f = next((f for f, keys in _FAMILIES if any(k in low for k in keys)), "other")
         fam[f] = fam.get(f, 0.0) + ms
     total = sum(fam.values())
-    top = sorted(rows, key=lambda r: -r[1])[:15]
+    if table_path:
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        with open(table_path, "w") as f:
+            f.write(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=80))
+    top = sorted(rows, key=lambda r: -r[1])[:top]
     return {"device_ms_per_step": round(total, 2),
             "families_ms": {k: round(v, 2) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms": [[k[:90], round(v, 3)] for k, v in top]}

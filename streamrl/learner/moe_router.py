@@ -25,8 +25,11 @@ from streamrl.config import LearnerConfig
 
 
 def router_metrics(router_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor | None = None,
-                   group=None) -> dict[str, float]:
+                   group=None, as_tensors: bool = False) -> dict[str, float] | dict[str, torch.Tensor]:
     """Per-layer ``moe/router_entropy/layer{i}`` and ``moe/expert_usage_std/layer{i}`` plus means.
+
+    ``as_tensors``: 0-dim float64 device tensors (the training loop reads them once per step)
+    instead of floats (which wait for the device).
 
     Entropy is of the routing softmax, normalised by log E (1 = uniform). Usage std is the std
     of the fraction of top-k assignments per expert, times E (0 = perfectly balanced).
@@ -51,17 +54,17 @@ def router_metrics(router_logits: list[torch.Tensor], top_k: int, token_mask: to
             stats[i, e + 1] = m.sum().double()
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(stats, group=group)
-    out, ents, stds = {}, [], []
+    usage = stats[:, :e] / stats[:, :e].sum(-1, keepdim=True).clamp(min=1)
+    ents = stats[:, e] / stats[:, e + 1].clamp(min=1) / math.log(e)  # [L]
+    stds = usage.std(-1) * e  # [L]
+    out = {}
     for i in range(n_layers):
-        usage = stats[i, :e] / stats[i, :e].sum().clamp(min=1)
-        ent = float(stats[i, e] / stats[i, e + 1].clamp(min=1)) / math.log(e)
-        std = float(usage.std() * e)
-        out[f"moe/router_entropy/layer{i}"], out[f"moe/expert_usage_std/layer{i}"] = ent, std
-        ents.append(ent)
-        stds.append(std)
-    out["moe/router_entropy"] = sum(ents) / n_layers
-    out["moe/expert_usage_std"] = sum(stds) / n_layers
-    return out
+        out[f"moe/router_entropy/layer{i}"], out[f"moe/expert_usage_std/layer{i}"] = ents[i], stds[i]
+    out["moe/router_entropy"] = ents.sum() / n_layers
+    out["moe/expert_usage_std"] = stds.sum() / n_layers
+    if as_tensors:
+        return out
+    return dict(zip(out, torch.stack(list(out.values())).tolist()))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from streamrl.algorithms.losses import gspo_loss, importance_weights, policy_loss
+from streamrl.algorithms.losses import gspo_loss, importance_weights, masked_stats, policy_loss
 from streamrl.algorithms.regularizers import kl_penalty
 from streamrl.algorithms.losses import aggregate
 from streamrl.config import LearnerConfig
@@ -60,8 +60,13 @@ def compute_policy_loss(
     num_tokens: float,
     num_seqs: float,
     norm_len: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    tensor_stats: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Policy loss for ``cfg.loss`` on one rank's slice, normalised by global counts.
+
+    Stats: ``clip_frac``, ``is_weight_mean``, ``is_truncated_frac``; floats, or with
+    ``tensor_stats`` 0-dim device tensors computed without waiting for the device (GSPO's
+    ``clip_frac`` stays a float), which the training loop reads once per step.
 
     Args:
         logp, prox_logp, behav_logp, mask: [B, T]; advantages: [B] (group advantages), or
@@ -76,16 +81,16 @@ def compute_policy_loss(
         w, raw = importance_weights(prox_logp, behav_logp, mask, "seq-tis", cfg.tis_cap)
         loss, st = gspo_loss(logp, prox_logp, advantages, mask, cfg.gspo_clip_low, cfg.gspo_clip_high,
                              num_seqs=num_seqs, seq_weight=w[:, 0])
-        m = mask.bool()
-        st["is_weight_mean"] = float(raw[m].mean()) if m.any() else 1.0
-        st["is_truncated_frac"] = float((raw[:, 0] > cfg.tis_cap).float().mean())
-        return loss, st
+        tok = masked_stats(torch.zeros_like(mask, dtype=torch.bool), raw, mask, None)
+        st["is_weight_mean"] = tok["is_weight_mean"]
+        st["is_truncated_frac"] = (raw[:, 0] > cfg.tis_cap).float().mean()
+        return loss, _stats_out(st, tensor_stats)
     preset = LOSSES[cfg.loss]
     loss, st = policy_loss(
         logp, prox_logp, behav_logp, advantages, mask,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or None,
         is_mode=preset["is_mode"], is_cap=preset.get("is_cap", cfg.tis_cap), coupled=preset.get("coupled", False),
-        agg=cfg.agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len,
+        agg=cfg.agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len, tensor_stats=True,
     )
     if cfg.loss == "vtrace":
         # PPO-clip on pi/pi_prox with the V-trace advantage (rather than IMPALA's plain
@@ -93,10 +98,18 @@ def compute_policy_loss(
         # with minibatches > 1 the clip keeps later minibatches from overshooting. The IS weight
         # is inside the advantage; report it against vtrace_rho_bar.
         _, raw = importance_weights(prox_logp, behav_logp, mask, "token-tis", cfg.vtrace_rho_bar)
-        m = mask.bool()
-        st["is_weight_mean"] = float(raw[m].mean()) if m.any() else 1.0
-        st["is_truncated_frac"] = float((raw[m] > cfg.vtrace_rho_bar).float().mean()) if m.any() else 0.0
-    return loss, st
+        tok = masked_stats(torch.zeros_like(mask, dtype=torch.bool), raw, mask, cfg.vtrace_rho_bar)
+        st["is_weight_mean"], st["is_truncated_frac"] = tok["is_weight_mean"], tok["is_truncated_frac"]
+    return loss, _stats_out(st, tensor_stats)
+
+
+def _stats_out(st: dict, tensor_stats: bool) -> dict:
+    """Stats as the caller asked: device tensors as they are, or floats (one read of the device)."""
+    if tensor_stats:
+        return st
+    keys = [k for k, v in st.items() if isinstance(v, torch.Tensor)]
+    vals = torch.stack([st[k].detach().double().reshape(()) for k in keys]).tolist() if keys else []
+    return {**st, **dict(zip(keys, vals))}
 
 
 def kl_term(cfg: LearnerConfig, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,

@@ -11,7 +11,10 @@ restart for each sequence. Attention never crosses sequences:
 * shared prompts (``learner.shared_prompt``): the G samples of a group share their prompt, so
   the row holds the prompt once and then each sample's segment; an explicit ``[1, 1, N, N]``
   boolean mask lets every segment see the prompt and itself only (transformers passes a 4-D
-  mask through unchanged).
+  mask through unchanged);
+* ``learner.attention = flex``: no dense mask at all; the trainer builds a FlexAttention
+  ``BlockMask`` from the per-token ``segment_ids`` / ``unit_ids`` of the micro-batch
+  (:mod:`streamrl.learner.attention`), whose masked tiles are skipped, for both cases above.
 
 Layout of one *unit* (a sequence, or a group sharing a prompt of ``p`` tokens)::
 
@@ -28,10 +31,12 @@ what the loss functions take.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tensordict import TensorDict
+
+from streamrl.learner.attention import dense_packed_mask
 
 
 @dataclass
@@ -40,7 +45,10 @@ class MicroBatch:
 
     Shapes (N tokens in the row, n response tokens, b trajectories, L MoE layers, k experts):
         input_ids, position_ids: [1, N] int64
-        attention_mask: [1, 1, N, N] bool (shared prompts) or None (transformers builds it)
+        attention_mask: [1, 1, N, N] bool (shared prompts on the sdpa path) or None (transformers
+            builds it from the position ids, or the trainer builds a BlockMask from the ids below)
+        segment_ids: [N] int64 the sample (grid row) of each token, -1 on a unit's shared prompt
+        unit_ids: [N] int64 the unit (sequence, or group sharing a prompt) of each token
         select: [n] row positions whose logits predict a response token
         targets: [n] the response tokens predicted there
         grid_row, grid_col: [n] (trajectory among ``rows``, response index) of each selected token
@@ -61,11 +69,29 @@ class MicroBatch:
     token_weight: torch.Tensor
     replay: torch.Tensor | None
     rows: list[int]
+    segment_ids: torch.Tensor
+    unit_ids: torch.Tensor
     dummy: bool = False
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
+
+    @property
+    def row_slice(self) -> slice | list[int]:
+        """``rows`` as a slice when consecutive (the packer keeps trajectory order), so indexing
+        the response grid with it is a view, not a gather from a host-built index."""
+        lo, hi = self.rows[0], self.rows[-1] + 1
+        return slice(lo, hi) if self.rows == list(range(lo, hi)) else self.rows
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        """A copy with every tensor on ``device``; on CUDA through pinned memory without
+        blocking the host (the step moves all its micro-batches up front)."""
+        if device.type == "cpu":
+            return self
+        moved = {f: getattr(self, f) for f in _TENSOR_FIELDS}
+        return replace(self, **{f: None if t is None else t.pin_memory().to(device, non_blocking=True)
+                                for f, t in moved.items()})
 
     def to_grid(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """Scatter per-selected-token ``values`` [n] onto the ``[b, width]`` response grid (0 elsewhere).
@@ -74,6 +100,10 @@ class MicroBatch:
         """
         grid = values.new_zeros(len(self.rows), width)
         return grid.index_put((self.grid_row.to(values.device), self.grid_col.to(values.device)), values)
+
+
+_TENSOR_FIELDS = ("input_ids", "position_ids", "attention_mask", "select", "targets", "grid_row", "grid_col",
+                  "token_weight", "replay", "segment_ids", "unit_ids")
 
 
 @dataclass
@@ -193,8 +223,12 @@ def plan_microbatches(batch: TensorDict, rows: list[int], budget: int, shared: b
 
 
 def build_microbatch(view: TrajectoryView, units: list[list[int]], shared: bool, num_layers: int = 0,
-                     dummy: bool = False) -> MicroBatch:
-    """Materialise one planned micro-batch (see the module docstring for the layout)."""
+                     dummy: bool = False, dense_mask: bool = True) -> MicroBatch:
+    """Materialise one planned micro-batch (see the module docstring for the layout).
+
+    ``dense_mask``: build the ``[1, 1, N, N]`` shared-prompt mask (the sdpa path); the flex
+    path leaves it out and masks from ``segment_ids`` / ``unit_ids``.
+    """
     ids, pos, seg, unit_of = [], [], [], []
     weight: list[float] = []
     select, targets, g_row, g_col = [], [], [], []
@@ -227,13 +261,10 @@ def build_microbatch(view: TrajectoryView, units: list[list[int]], shared: bool,
             n += r + 1
     input_ids = torch.cat(ids).long()[None]
     position_ids = torch.cat(pos).long()[None]
+    seg_ids, unit_ids = torch.tensor(seg, dtype=torch.int64), torch.tensor(unit_of, dtype=torch.int64)
     mask = None
-    if shared and any(len(u) > 1 for u in units):
-        s, u = torch.tensor(seg), torch.tensor(unit_of)
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
-        same_unit = u[:, None] == u[None, :]
-        visible = (s[None, :] == -1) | (s[:, None] == s[None, :])  # key is prompt, or same sample
-        mask = (causal & same_unit & visible)[None, None]
+    if dense_mask and shared and any(len(u) > 1 for u in units):
+        mask = dense_packed_mask(seg_ids, unit_ids)
     replay = None
     if view.routed is not None and num_layers:
         k = view.routed.shape[-1]
@@ -246,11 +277,11 @@ def build_microbatch(view: TrajectoryView, units: list[list[int]], shared: bool,
     tw = torch.tensor(weight, dtype=torch.float32) * (0.0 if dummy else 1.0)
     cat = lambda xs, dt=torch.int64: torch.cat(xs).to(dt) if xs else torch.zeros(0, dtype=dt)  # noqa: E731
     return MicroBatch(input_ids, position_ids, mask, cat(select), cat(targets), cat(g_row), cat(g_col), tw,
-                      replay, rows, dummy)
+                      replay, rows, seg_ids, unit_ids, dummy)
 
 
 def rank_microbatches(batch: TensorDict, rank_rows: list[list[int]], rank: int, budget: int, shared: bool,
-                      num_layers: int = 0) -> tuple[list[MicroBatch], list[float]]:
+                      num_layers: int = 0, dense_mask: bool = True) -> tuple[list[MicroBatch], list[float]]:
     """This rank's micro-batches, padded with zero-weight dummies to the largest count of any rank.
 
     Every rank must run the same number of forward/backward passes (FSDP all-gathers and
@@ -268,8 +299,8 @@ def rank_microbatches(batch: TensorDict, rank_rows: list[list[int]], rank: int, 
     count = max(max(len(p) for p in plans), 1)
     weights = [sum(view.p_lens[i] + view.r_lens[i] for p in plans if j < len(p) for u in p[j] for i in u)
                for j in range(count)]
-    mine = [build_microbatch(view, units, shared, num_layers) for units in plans[rank]]
+    mine = [build_microbatch(view, units, shared, num_layers, dense_mask=dense_mask) for units in plans[rank]]
     while len(mine) < count:
         # The batch's first trajectory with zero weights: same collectives, no contribution.
-        mine.append(build_microbatch(view, [[0]], shared, num_layers, dummy=True))
+        mine.append(build_microbatch(view, [[0]], shared, num_layers, dummy=True, dense_mask=dense_mask))
     return mine, [float(w) for w in weights]

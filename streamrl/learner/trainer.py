@@ -8,18 +8,21 @@ all-reduce their statistics so their gradient is that of the global loss too.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Iterator
 
 import torch
 from tensordict import TensorDict
+from torch.nn.attention.flex_attention import BlockMask
 
 from streamrl.algorithms.advantages import group_advantages, token_group_advantages
 from streamrl.algorithms.moe_losses import load_balancing_loss, router_z_loss
 from streamrl.config import Config, ConfigError
 from streamrl.learner.critic import (attach_value_head, critic_metrics, critic_targets, is_critic_param,
                                      response_mdp, value_head, value_loss, whiten_advantages)
+from streamrl.learner.attention import packed_block_mask, resolve_attention, use_packed_attention
 from streamrl.learner.checkpointing import checkpoint_decoder_layers
 from streamrl.learner.logprobs import HeadRequest, response_head, token_logprobs
 from streamrl.learner.padded_reference import padded_routed_experts  # noqa: F401  (re-exported)
@@ -36,26 +39,48 @@ from streamrl.trajectory import num_trajectories
 
 
 def clip_grad_norm(params, max_norm: float, group=None) -> float:
-    """Clip gradients to a global L2 norm; returns the norm before clipping.
+    """:func:`clip_grad_norm_on_device`, the norm read back as a float (waits for the device)."""
+    return float(clip_grad_norm_on_device(params, max_norm, group))
+
+
+def clip_grad_norm_on_device(params, max_norm: float, group=None) -> torch.Tensor:
+    """Clip gradients to a global L2 norm; returns the norm before clipping (0-dim float64 tensor
+    on the gradients' device; nothing here waits for the device).
 
     Works across FSDP meshes of different shapes (dense params over all ranks, experts over
     ``dp_shard``) where ``torch.nn.utils.clip_grad_norm_`` cannot mix DTensor meshes: every
     rank holds a disjoint shard of every gradient, so the squared norm is a sum over ranks.
+    Like ``clip_grad_norm_(foreach=True)`` the scale ``min(1, max_norm / (norm + 1e-6))`` is
+    applied on the device, to every gradient (a multiply by 1 below the limit, skipped on CPU
+    where reading the norm costs nothing).
     """
     import torch.distributed as dist
 
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    sq = sum((x.detach().float() ** 2).sum() for x in local) if local else torch.zeros(())
-    sq = torch.as_tensor(sq, dtype=torch.float64).reshape(1).cpu()
+    if not local:
+        return torch.zeros((), dtype=torch.float64)
+    sq = torch.stack([n.double() ** 2 for n in torch._foreach_norm([x.detach().float() for x in local])]).sum()
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
-    norm = float(sq.sqrt())
-    coef = min(1.0, max_norm / (norm + 1e-6))
-    if coef < 1.0:
-        for x in local:
-            x.mul_(coef)
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if coef.device.type == "cpu" and float(coef) >= 1.0:  # reading a CPU value waits for nothing
+        return norm
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for x in local:
+        by_dtype.setdefault(x.dtype, []).append(x)
+    for xs in by_dtype.values():
+        torch._foreach_mul_(xs, coef.to(xs[0].dtype))
     return norm
+
+
+def _host_metrics(acc: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Device scalars and floats -> floats, with a single device-to-host copy."""
+    keys = [k for k, v in acc.items() if isinstance(v, torch.Tensor)]
+    dev = acc[keys[0]].device if keys else None
+    vals = torch.stack([acc[k].detach().to(dev, torch.float64).reshape(()) for k in keys]).tolist() if keys else []
+    return {**{k: float(v) for k, v in acc.items() if not isinstance(v, torch.Tensor)}, **dict(zip(keys, vals))}
 
 
 class Trainer:
@@ -97,6 +122,11 @@ class Trainer:
         self.blocks = parallelize(model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision,
                                   compile_layers=lc.compile)
         self.model = model
+        # flex: packed rows get a BlockMask (masked tiles skipped); padded inputs still run sdpa.
+        self.attention = resolve_attention(lc.attention, self.device.type)
+        for m in (model, self.ref_model) if self.attention == "flex" else ():
+            if m is not None:
+                use_packed_attention(m)
         if lc.activation_checkpointing:
             checkpoint_decoder_layers(model)
         # Names and global shapes: the weights manifest is built from these (no value head:
@@ -230,23 +260,45 @@ class Trainer:
         per = math.ceil(len(mb) / self.world)
         rank_rows = [mb[min(r * per, len(mb)) : min((r + 1) * per, len(mb))] for r in range(self.world)]
         layers = len(self.blocks) if (lc.routing_replay and self.blocks) else 0
-        return rank_microbatches(batch, rank_rows, self.rank, lc.max_tokens_per_microbatch, lc.shared_prompt, layers)
+        micro, weights = rank_microbatches(batch, rank_rows, self.rank, lc.max_tokens_per_microbatch, lc.shared_prompt,
+                                           layers, dense_mask=self.attention == "sdpa")
+        return [self._on_device(m) for m in micro], weights
+
+    def _on_device(self, mb: MicroBatch) -> MicroBatch:
+        """``mb`` on the learner's device (non-blocking copies; the step moves all of its
+        micro-batches up front) with its FlexAttention ``BlockMask`` when ``attention`` is flex.
+        A dense sdpa mask stays on the host until its forward (``[N, N]`` each)."""
+        has_block_mask = isinstance(mb.attention_mask, BlockMask)
+        if mb.input_ids.device == self.device and (self.attention == "sdpa" or has_block_mask):
+            return mb
+        moved = dataclasses.replace(mb, attention_mask=None).to(self.device)
+        if self.attention == "flex":
+            return dataclasses.replace(moved, attention_mask=packed_block_mask(moved.segment_ids, moved.unit_ids))
+        return dataclasses.replace(moved, attention_mask=mb.attention_mask)
+
+    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the learner's device without blocking the host (pinned on CUDA)."""
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _run(self, model, mb: MicroBatch, grid_width: int, entropy: bool = False, values: bool = False):
         """Forward one micro-batch; returns response-grid tensors ``[b, R]``
         (logp, entropy or None, values or None) and the router logits per layer ``[N, E]``."""
         lc = self.cfg.learner
+        mb = self._on_device(mb)
         policy = model is self.model
         values = values and self.critic and policy
-        req = HeadRequest(mb.targets.to(self.device), self.cfg.rollout.temperature, lc.logprob_chunk_tokens,
+        req = HeadRequest(mb.targets, self.cfg.rollout.temperature, lc.logprob_chunk_tokens,
                           entropy, value_head(model) if values else None)
         for i, b in enumerate(self.blocks if policy else []):
-            b.replay = None if mb.replay is None else mb.replay[:, i].to(self.device)
+            b.replay = None if mb.replay is None else mb.replay[:, i]
+        mask = mb.attention_mask
         try:
             with response_head(model, req):
-                out = model(input_ids=mb.input_ids.to(self.device), position_ids=mb.position_ids.to(self.device),
-                            attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(self.device),
-                            use_cache=False, logits_to_keep=mb.select.to(self.device))
+                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                            attention_mask=mask.to(self.device) if isinstance(mask, torch.Tensor) else mask,
+                            use_cache=False, logits_to_keep=mb.select)
         finally:
             for b in self.blocks:
                 b.replay = None
@@ -266,6 +318,8 @@ class Trainer:
         lc = self.cfg.learner
         micro, weights = plan
         width = grid.width
+        # Counts come from the host copy of the grid: nothing below waits for the device until
+        # the metrics are read, once, after the optimizer step.
         n_tok = float(grid.loss_mask[mb].sum().clamp(min=1)) / self.world
         n_seq = float(len(mb)) / self.world
         norm_len = float(self.cfg.rollout.max_new_tokens)
@@ -274,32 +328,36 @@ class Trainer:
         crit_pre = self._critic_prepass(grid, micro, width, prox) if self.critic and len(micro) > 1 else None
         if optimizer_step:
             self.optim.zero_grad(set_to_none=True)
-        acc: dict[str, float] = {}
-        tok_sum, diff_sum = 0.0, 0.0
+        loss_mask, behav_all, adv_all = self._h2d(grid.loss_mask), self._h2d(grid.behav), self._h2d(adv)
+        acc: dict[str, torch.Tensor | float] = {}  # device scalars (or host floats) summed over micro-batches
+        tok_sum = 0.0
+        diff_sum = torch.zeros((), device=self.device)
 
-        def add(k: str, v: float) -> None:
+        def add(k: str, v: torch.Tensor | float) -> None:
             acc[k] = acc.get(k, 0.0) + v
 
         for i, m in enumerate(micro):
             live = 0.0 if m.dummy else 1.0
+            rows = m.row_slice
             logp, ent, values, routers = self._run(self.model, m, width, entropy=want_ent, values=True)
-            mask = (grid.loss_mask[m.rows] * live).to(self.device)
-            behav = grid.behav[m.rows].to(self.device)
-            a = adv[m.rows].to(self.device) * live
+            mask = loss_mask[rows] * live
+            behav = behav_all[rows]
+            a = adv_all[rows] * live
             prox_logp = logp.detach() if prox is None else prox[i]
             loss = torch.zeros((), device=self.device)
             if self.critic:
                 vs, a = crit_pre[i] if crit_pre is not None else self._critic_targets(grid, m.rows, values, prox_logp, mask)
                 v_loss = value_loss(values, vs, mask, n_tok)
                 loss = loss + lc.value_coef * v_loss
-                add("learner/value_loss", float(v_loss.detach()))
-                add("learner/vtrace_advantage_abs_mean", float((a.abs() * mask).sum()) / n_tok)
+                add("learner/value_loss", v_loss.detach())
+                add("learner/vtrace_advantage_abs_mean", (a.abs() * mask).sum().detach() / n_tok)
                 for k, v in critic_metrics(values, vs, mask, self.mesh.dp_group).items():
                     add(k, v / len(micro))
-            pg_loss, stats = compute_policy_loss(lc, logp, prox_logp, behav, a, mask, n_tok, n_seq, norm_len)
+            pg_loss, stats = compute_policy_loss(lc, logp, prox_logp, behav, a, mask, n_tok, n_seq, norm_len,
+                                                tensor_stats=True)
             loss = loss + pg_loss
-            n_m = float(mask.sum())
-            add("learner/loss", float(pg_loss.detach()))
+            n_m = float(grid.loss_mask[m.rows].sum()) * live
+            add("learner/loss", pg_loss.detach())
             for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
                 add(f"learner/{k}", stats[k] * n_m)
             if lc.kl_coef > 0:
@@ -310,43 +368,44 @@ class Trainer:
                     ref_logp = served_ref_logprobs(batch, m.rows).to(self.device)
                 kl = kl_term(lc, logp, ref_logp, mask, n_tok, n_seq, norm_len)
                 loss = loss + lc.kl_coef * kl
-                add("learner/kl_ref", float(kl.detach()))
+                add("learner/kl_ref", kl.detach())
             if want_ent:
                 ent_term = (ent * mask).sum() / n_tok
                 if lc.entropy_coef > 0:
                     loss = loss - lc.entropy_coef * ent_term
-                add("learner/entropy", float(ent_term.detach()))
+                add("learner/entropy", ent_term.detach())
             if routers:
                 share = weights[i] / total_w
-                tok_w = m.token_weight.to(self.device)
+                tok_w = m.token_weight
                 group = self.mesh.dp_group
                 aux = load_balancing_loss(routers, self.num_experts, self.top_k, tok_w, group, scale=self.world)
-                add("moe/aux_loss", float(aux.detach()) * share / self.world)
+                add("moe/aux_loss", aux.detach() * share / self.world)
                 if lc.aux_loss_coef > 0:
                     loss = loss + lc.aux_loss_coef * share * aux
                 if lc.z_loss_coef > 0:
                     z = router_z_loss(routers, tok_w, group, scale=self.world)
                     loss = loss + lc.z_loss_coef * share * z
-                    add("moe/z_loss", float(z.detach()) * share / self.world)
-                for k, v in router_metrics(routers, self.top_k, tok_w, group).items():
+                    add("moe/z_loss", z.detach() * share / self.world)
+                for k, v in router_metrics(routers, self.top_k, tok_w, group, as_tensors=True).items():
                     add(k, v * share)
             loss.backward()
             with torch.no_grad():
                 tok_sum += n_m
-                diff_sum += float(((behav - logp.detach()).abs() * mask).sum())
-        metrics = dict(acc)
-        for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
-            metrics[f"learner/{k}"] = acc[f"learner/{k}"] / tok_sum if tok_sum else (1.0 if k == "is_weight_mean" else 0.0)
-        metrics["learner/behaviour_logprob_abs_diff"] = diff_sum / tok_sum if tok_sum else 0.0
+                diff_sum += ((behav - logp.detach()).abs() * mask).sum()
+        acc["learner/behaviour_logprob_abs_diff"] = diff_sum / tok_sum if tok_sum else 0.0
         if optimizer_step:
-            if routers:
-                self.router.update_freeze(self.steps_done, metrics)
+            if routers and self.router.frozen:  # the unfreeze gates read router metrics: a wait, while frozen only
+                self.router.update_freeze(self.steps_done, _host_metrics(acc))
             self.router.drop_grads()
-            metrics["learner/grad_norm"] = clip_grad_norm(self.model.parameters(), lc.grad_clip, self.mesh.dp_group)
+            acc["learner/grad_norm"] = clip_grad_norm_on_device(self.model.parameters(), lc.grad_clip,
+                                                                self.mesh.dp_group)
             self.optim.step()
             if self.router.ema:
                 self.router.update_ema()
             self.steps_done += 1
+        metrics = _host_metrics(acc)  # the step's one wait for the device
+        for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
+            metrics[f"learner/{k}"] = metrics[f"learner/{k}"] / tok_sum if tok_sum else (1.0 if k == "is_weight_mean" else 0.0)
         return self._reduce_metrics(metrics)
 
     def _critic_targets(self, grid: ResponseGrid, rows: list[int], values, prox_logp, mask):

@@ -1,0 +1,117 @@
+"""Attention over packed rows that skips what the row's mask hides: FlexAttention block masks.
+
+Why: a packed micro-batch row (:mod:`streamrl.learner.packing`) holds many sequences, or a
+group's prompt and its samples. With sdpa, the row's mask is a dense ``[1, 1, N, N]`` tensor
+(transformers builds it from the restarting position ids, packing builds it for shared
+prompts) and the kernel computes all ``N^2`` scores: a 32k-token row of 1k-token sequences
+is 97 % masked. FlexAttention takes a ``BlockMask`` instead: per 128 x 128 tile whether it is
+empty, full or partial, so empty tiles are never computed, and the mask itself is two ``[N]``
+id vectors plus the tile table.
+
+The rule is the one of the dense mask: query ``q`` sees key ``k`` iff ``k <= q``, both lie in
+the same *unit* (a sequence, or a group sharing its prompt) and ``k`` is in the unit's shared
+prompt (segment ``-1``) or in ``q``'s own segment.
+
+The model runs with the attention implementation :data:`PACKED_ATTENTION`: FlexAttention when
+the mask it gets is a ``BlockMask``, transformers' sdpa otherwise (padded evaluation, the
+padded reference step), so one model serves both. FlexAttention's backward needs a GPU (torch
+refuses it on CPU); on CPU its forward runs unfused, which the tests use to check the masks.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+PACKED_ATTENTION = "streamrl_packed"
+"""Name under which :func:`packed_attention_forward` is registered with transformers."""
+
+ATTENTION_CHOICES = ("auto", "sdpa", "flex")
+
+
+def resolve_attention(setting: str, device_type: str) -> str:
+    """``learner.attention`` -> ``"flex"`` or ``"sdpa"`` (``auto``: flex on CUDA, sdpa on CPU)."""
+    if setting not in ATTENTION_CHOICES:
+        raise ValueError(f"learner.attention = {setting!r}: must be one of {ATTENTION_CHOICES}")
+    if setting == "auto":
+        return "flex" if device_type == "cuda" else "sdpa"
+    return setting
+
+
+@functools.cache
+def _compiled_flex():
+    """FlexAttention compiled once per process (the fused kernel; eager runs the dense math)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """transformers attention function: query [B, Hq, N, D], key/value [B, Hkv, N, D] ->
+    ([B, N, Hq, D], None). FlexAttention for a ``BlockMask``, sdpa for anything else."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(attention_mask, BlockMask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout > 0 and module.training:
+        raise ValueError("learner.attention = flex: the model has attention dropout, which FlexAttention lacks; "
+                         "use learner.attention = sdpa")
+    # inside a compiled layer (learner.compile) dynamo traces flex_attention itself
+    flex = _eager_flex() if torch.compiler.is_compiling() or not query.is_cuda else _compiled_flex()
+    out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _eager_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+@functools.cache
+def register_packed_attention() -> str:
+    """Register :data:`PACKED_ATTENTION` (attention function, and sdpa's mask builder for the
+    padded path) with transformers; idempotent. Returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
+    return PACKED_ATTENTION
+
+
+def use_packed_attention(model: nn.Module) -> None:
+    """Switch ``model`` (a transformers model, sharded or not) to :data:`PACKED_ATTENTION`."""
+    model.set_attn_implementation(register_packed_attention())
+
+
+def packed_block_mask(segment_ids: torch.Tensor, unit_ids: torch.Tensor):
+    """The ``BlockMask`` of one packed row (see the module docstring for the rule).
+
+    Args:
+        segment_ids: [N] int64, the sample each token belongs to, -1 on a unit's shared prompt.
+        unit_ids: [N] int64, the unit (sequence, or group sharing a prompt) of each token.
+    Returns:
+        a ``BlockMask`` of shape [1, 1, N, N] on the ids' device (built compiled on CUDA).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = int(segment_ids.shape[0])
+
+    def visible(b, h, q, k):
+        return (k <= q) & (unit_ids[q] == unit_ids[k]) & ((segment_ids[k] < 0) | (segment_ids[q] == segment_ids[k]))
+
+    return create_block_mask(visible, 1, None, n, n, device=segment_ids.device, _compile=segment_ids.is_cuda)
+
+
+def dense_packed_mask(segment_ids: torch.Tensor, unit_ids: torch.Tensor) -> torch.Tensor:
+    """The same rule as a dense ``[1, 1, N, N]`` bool mask (the sdpa path's shared-prompt mask)."""
+    n = segment_ids.shape[0]
+    causal = torch.ones(n, n, dtype=torch.bool, device=segment_ids.device).tril()
+    same_unit = unit_ids[:, None] == unit_ids[None, :]
+    visible = (segment_ids[None, :] < 0) | (segment_ids[:, None] == segment_ids[None, :])
+    return (causal & same_unit & visible)[None, None]
