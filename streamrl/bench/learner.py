@@ -59,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true", help="learner.compile: torch.compile each decoder layer")
     p.add_argument("--synthetic-moe", action="store_true", help="the learner_step 1.31 B MoE instead of --model")
     p.add_argument("--prompt-len", type=int, default=0, help="random prompts of this length (0: chat arithmetic)")
     p.add_argument("--peak", type=float, default=790.0, help="bf16 peak TFLOP/s per device for mfu")
@@ -82,7 +83,7 @@ def make_config(args, impl: str):
         f"learner.activation_checkpointing={'true' if args.activation_checkpointing else 'false'}",
         f"rollout.max_new_tokens={args.response_len}", "rollout.temperature=1.0", "learner.lr=1e-6",
         "learner.aux_loss_coef=0", f"learner.max_tokens_per_microbatch={args.budget}",
-        f"learner.attention={args.attention}",
+        f"learner.attention={args.attention}", f"learner.compile={'true' if args.compile else 'false'}",
         f"learner.shared_prompt={'true' if impl == 'shared' else 'false'}",
         # A bench batch of groups of one has no GRPO signal: the step must still run in full.
         "learner.skip_no_signal=false",

@@ -133,7 +133,10 @@ class Trainer:
         # rollout engines have no such parameter).
         self.param_specs = [s for s in global_param_specs(model, lc.ep) if not is_critic_param(s[0])]
         self.router = RouterController(model, self.blocks, lc)
-        self.optim = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.99))
+        # Fused AdamW on CUDA: one kernel over all parameters (the foreach default took ~9 % of a
+        # 1.31 B MoE step on the H200); CPU keeps foreach.
+        self.optim = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.99),
+                                       fused=self.device.type == "cuda")
         self.steps_done = 0
 
     def my_slice(self, n: int) -> slice:
