@@ -13,7 +13,7 @@ import torch
 from streamrl.config import ConfigError, load_config
 from streamrl.learner.attention import dense_packed_mask, packed_block_mask, resolve_attention
 from streamrl.learner.packing import TrajectoryView, build_microbatch, plan_microbatches
-from streamrl.learner.trainer import Trainer
+from streamrl.learner.trainer import Trainer, one_causal_sequence
 
 from test_checkpoint import REPO
 from test_packing import BASE, _full_grads, group_batch
@@ -65,11 +65,27 @@ def test_flex_forward_equals_sdpa(shared):
         tr.model.eval()
     with torch.no_grad():
         for mr, mf in zip(micro_r, micro_f):
-            assert mf.attention_mask is not None and not isinstance(mf.attention_mask, torch.Tensor)  # a BlockMask
+            # a BlockMask over several sequences or a shared prompt; a single plain sequence uses sdpa's causal path
+            assert (mf.attention_mask is None) == one_causal_sequence(mf)
+            assert mf.attention_mask is None or not isinstance(mf.attention_mask, torch.Tensor)
             lr, er, _, _ = ref._run(ref.model, mr, width, entropy=True)
             lf, ef, _, _ = flex._run(flex.model, mf, width, entropy=True)
             assert torch.allclose(lf, lr, atol=2e-5), (lf - lr).abs().max()
             assert torch.allclose(ef, er, atol=2e-5)
+
+
+def test_single_sequence_rows_skip_the_block_mask():
+    """Budget of one sequence per row: no BlockMask (sdpa's causal kernel), same log-probs."""
+    batch = group_batch(3)
+    ref = _trainer(["learner.max_tokens_per_microbatch=1", "learner.attention=sdpa"])
+    flex = _trainer(["learner.max_tokens_per_microbatch=1", "learner.attention=flex"])
+    flex.model.load_state_dict(ref.model.state_dict())
+    micro_r, micro_f = ref._prepare(batch)[3][0][0], flex._prepare(batch)[3][0][0]
+    assert all(len(m.rows) == 1 and m.attention_mask is None for m in micro_f)
+    width = int(batch["response_lens"].max())
+    with torch.no_grad():
+        for mr, mf in zip(micro_r, micro_f):
+            assert torch.allclose(flex._run(flex.model, mf, width)[0], ref._run(ref.model, mr, width)[0], atol=2e-5)
 
 
 def test_attention_setting():

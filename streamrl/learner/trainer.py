@@ -83,6 +83,14 @@ def _host_metrics(acc: dict[str, torch.Tensor | float]) -> dict[str, float]:
     return {**{k: float(v) for k, v in acc.items() if not isinstance(v, torch.Tensor)}, **dict(zip(keys, vals))}
 
 
+def one_causal_sequence(mb: MicroBatch) -> bool:
+    """True when a (host) micro-batch row is one unit with one sample: prompt then response,
+    for which the packed mask is plain causal."""
+    samples = mb.segment_ids[mb.segment_ids >= 0]  # -1 marks the unit's prompt
+    one_sample = samples.numel() == 0 or bool(samples.min() == samples.max())
+    return one_sample and bool(mb.unit_ids.min() == mb.unit_ids.max())
+
+
 class Trainer:
     """Model + expert parallel + FSDP2 + AdamW; :meth:`step` trains on one packed batch."""
 
@@ -275,8 +283,13 @@ class Trainer:
         if mb.input_ids.device == self.device and (self.attention == "sdpa" or has_block_mask):
             return mb
         moved = dataclasses.replace(mb, attention_mask=None).to(self.device)
-        if self.attention == "flex":
+        if self.attention == "flex" and not one_causal_sequence(mb):
             return dataclasses.replace(moved, attention_mask=packed_block_mask(moved.segment_ids, moved.unit_ids))
+        if self.attention == "flex":
+            # A row that is one plain sequence needs only the causal mask: sdpa's causal kernel.
+            # Measured on the H200 (1.31 B MoE, one 32k sequence per step): flex 40.0k tok/s,
+            # sdpa 51.9k (16k: 54.4k vs 60.9k).
+            return moved
         return dataclasses.replace(moved, attention_mask=mb.attention_mask)
 
     def _h2d(self, t: torch.Tensor) -> torch.Tensor:
