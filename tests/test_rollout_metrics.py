@@ -11,7 +11,7 @@ from streamrl.engines.factory import build_engine
 from streamrl.models.factory import build_model
 from streamrl.rollout_metrics import versions_spanned
 from streamrl.tasks import get_task
-from streamrl.tasks.sources import prompt_source
+from streamrl.tasks.registry import problem_stream
 from streamrl.trajectory import validate_trajectories
 from streamrl.workers.rollout import BatchRoller
 from tests.test_inflight_updates import TEMP, TOL, _new_head, _switch_at, _tf_logprobs
@@ -48,7 +48,7 @@ def test_long_batch_with_inflight_update_spans_two_versions(repo, monkeypatch):
     engine = build_engine(cfg, model, tok)
     engine.eos_id = -1  # every response runs to the cap, so each spans the switch
     task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
-    roller = BatchRoller(cfg, engine, tok, prompt_source(task, "", 0, 0, 1), worker_id=0)
+    roller = BatchRoller(cfg, engine, tok, problem_stream(task, 0, 0, 1), worker_id=0)
     cb, _ = _switch_at(switch, 4, update)
     torch.manual_seed(0)
     td = roller.rollout_batch(version=3, between_steps=cb)

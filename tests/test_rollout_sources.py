@@ -14,6 +14,7 @@ from streamrl.tasks.sources import jsonl_stream
 
 
 def read_jsonl_problems(path):
+    """A JSONL file read the way ``data.path`` is (``prompt``/``answer`` columns)."""
     return load_problems(path, field="data.path")
 
 
