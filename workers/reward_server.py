@@ -12,21 +12,14 @@ restarted server on a new port is found). Reports ``reward/*`` counters to the m
 from __future__ import annotations
 
 import argparse
-import signal
-import socket
 import sys
-import time
 
 import torch
 
-from streamrl.config import config_from_dict
-from streamrl.coord.coordinator import Coordinator
 from streamrl.rewards import load_reward_model
 from streamrl.roles.reward_server import RewardServer
 from streamrl.roles.reward_wire import ENDPOINT
-from streamrl.utils import limit_threads, setup_logging
-
-METRICS_EVERY_S = 2.0
+from streamrl.roles.serve import run_role_server
 
 
 def parse_args(argv=None):
@@ -42,50 +35,16 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    log = setup_logging("reward")
-    limit_threads()
     torch.set_grad_enabled(False)
-    coord = Coordinator(args.redis_url, args.run_id)
-    stored = coord.get_config()
-    if stored is None:
-        raise RuntimeError(f"no config in Redis for run {args.run_id}")
-    rc = config_from_dict(stored).rollout
-    if not rc.reward_model:
-        raise ValueError("the reward-model role needs rollout.reward_model (an HF folder or package.module:factory)")
-    stopping = False
 
-    def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
+    def make(cfg, device, bind):
+        rc = cfg.rollout
+        if not rc.reward_model:
+            raise ValueError("the reward-model role needs rollout.reward_model (an HF folder or package.module:factory)")
+        scorer = load_reward_model(rc.reward_model, device or rc.reward_model_device)
+        return RewardServer(scorer, bind, max_batch=args.max_batch), None
 
-    signal.signal(signal.SIGTERM, on_signal)  # before the (long) model load: a stop then exits cleanly
-    signal.signal(signal.SIGINT, on_signal)
-    device = args.device or rc.reward_model_device
-    scorer = load_reward_model(rc.reward_model, device)
-    server = RewardServer(scorer, f"tcp://{args.bind_host}:*", max_batch=args.max_batch)
-    advertise = args.advertise_host or (socket.gethostname() if args.bind_host == "0.0.0.0" else args.bind_host)
-    endpoint = f"tcp://{advertise}:{server.endpoint.rsplit(':', 1)[1]}"
-    coord.set_endpoint(ENDPOINT, endpoint)
-    log.info("serving %s on %s at %s", rc.reward_model, device, endpoint)
-
-    last_tick = 0.0
-
-    def tick():
-        nonlocal stopping, last_tick
-        now = time.monotonic()
-        if now - last_tick >= METRICS_EVERY_S:
-            last_tick = now
-            coord.put_metrics("reward", server.metrics())
-            stopping = stopping or coord.stop_reason() is not None
-
-    try:
-        server.serve(lambda: stopping, tick)
-    finally:
-        coord.put_metrics("reward", server.metrics())
-        server.close()
-    log.info("stopping: %s; %d requests, %d pairs in %d batches, %d rejected", coord.stop_reason() or "signal",
-             server.requests, server.pairs, server.batches, sum(server.rejected.values()))
-    return 0
+    return run_role_server(ENDPOINT, args, args.device, make)
 
 
 if __name__ == "__main__":
