@@ -179,15 +179,16 @@ def _peak_worker(rank, world, folder, load):
 
 @pytest.mark.slow
 def test_sharded_start_never_holds_the_whole_model(tmp_path):
-    # ~200 MB of fp32 weights: large next to the ~0.1 GB noise of a process's own allocations
-    folder = _write_model(tmp_path / "big", "llama", vocab_size=32768, hidden_size=512, intermediate_size=2048,
-                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    # ~340 MB of fp32 weights: large next to the ~30 MB a rank allocates of its own (with 128 MB
+    # that noise alone took a sharded rank to 0.73x the model in CI)
+    folder = _write_model(tmp_path / "big", "llama", vocab_size=32768, hidden_size=768, intermediate_size=3072,
+                          num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=2, head_dim=64)
     size = (folder / "model.safetensors").stat().st_size
     # Warm the page cache so both runs read the file the same way.
     (folder / "model.safetensors").read_bytes()
     sharded = spawn_gloo(_peak_worker, 2, folder, "sharded")
     full = spawn_gloo(_peak_worker, 2, folder, "full")
-    assert max(sharded) < 0.7 * size, (sharded, size)
+    assert max(sharded) < 0.75 * size, (sharded, size)  # half the model + noise; never the whole
     assert min(full) > 0.9 * size, (full, size)
 
 
