@@ -83,3 +83,13 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     if os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), sig)
     return True
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident bytes of this process image (``VmHWM``; ``ru_maxrss`` would also count the
+    parent's peak from before a spawn's exec). Linux only."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")

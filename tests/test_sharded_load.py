@@ -18,6 +18,7 @@ from streamrl.models.tokenizer import build_char_tokenizer
 from streamrl.parallel.expert_parallel import full_parameters, parallelize
 from streamrl.parallel.mesh import build_mesh
 from streamrl.parallel.testing import spawn_gloo
+from streamrl.utils import peak_rss_bytes
 
 SMOL = Path(__file__).resolve().parents[1] / "models" / "smol"
 _COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
@@ -157,24 +158,15 @@ def test_missing_tensor_is_named(tmp_path):
         parallelize(model, build_mesh(), torch.device("cpu"))
 
 
-def _peak_rss() -> int:
-    """Peak resident bytes of this process image (VmHWM; ``ru_maxrss`` would also count the
-    parent's peak from before the spawn's exec)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def _peak_worker(rank, world, folder, load):
     """Peak RSS growth (bytes) of this rank while the learner model is built and sharded."""
     import gc
 
-    before = _peak_rss()
+    before = peak_rss_bytes()
     model, _ = load_model_and_tokenizer(ModelConfig(path=str(folder), load=load), defer_weights=True)
     parallelize(model, build_mesh(1, "cpu", 0), torch.device("cpu"), check_logits=False)
     gc.collect()
-    return _peak_rss() - before
+    return peak_rss_bytes() - before
 
 
 @pytest.mark.slow

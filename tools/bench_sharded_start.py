@@ -22,15 +22,6 @@ import time
 from pathlib import Path
 
 
-def _peak_rss() -> int:
-    """Peak resident bytes of this process image (VmHWM; ``ru_maxrss`` would also count the
-    parent's peak from before the spawn's exec)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def _start(rank: int, world: int, folder: str, load: str, ep: int, device: str = "cpu") -> dict:
     import torch
 
@@ -38,8 +29,9 @@ def _start(rank: int, world: int, folder: str, load: str, ep: int, device: str =
     from streamrl.models.factory import load_model_and_tokenizer
     from streamrl.parallel.expert_parallel import parallelize
     from streamrl.parallel.mesh import build_mesh
+    from streamrl.utils import peak_rss_bytes
 
-    before = _peak_rss()
+    before = peak_rss_bytes()
     t0 = time.perf_counter()
     model, _ = load_model_and_tokenizer(ModelConfig(path=folder, load=load), defer_weights=True)
     cfg = model.config
@@ -48,7 +40,7 @@ def _start(rank: int, world: int, folder: str, load: str, ep: int, device: str =
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     parallelize(model, build_mesh(ep, dev.type, experts), dev)
     secs = time.perf_counter() - t0
-    peak = _peak_rss()
+    peak = peak_rss_bytes()
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
                 for p in model.parameters())
     return {"start_s": round(secs, 2), "peak_rss_gb": round(peak / 1e9, 3),
