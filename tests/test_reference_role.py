@@ -7,8 +7,6 @@ trajectory codec the learner receives batches through.
 """
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import threading
 import time
@@ -18,6 +16,7 @@ import torch
 
 from streamrl.config import load_config
 from streamrl.coord.coordinator import Coordinator
+from streamrl.launcher.process import ManagedProcess
 from streamrl.learner.trainer import Trainer
 from streamrl.models.factory import build_model, save_model
 from streamrl.roles.annotate import trajectory_roles
@@ -74,27 +73,20 @@ def wait_published(proc: subprocess.Popen, coord: Coordinator, role: str, log_pa
 
 
 @pytest.fixture
-def reference_process(redis_url, run_id, ref_folder, python, repo, tmp_path):
+def reference_process(redis_url, run_id, ref_folder, python, tmp_path):
     """A real reference-server process for this run, its config in Redis."""
     cfg = load_config(f"{REPO}/configs/tiny.yaml", _overrides(ref_folder, "k3", separate=True))
     coord = Coordinator(redis_url, run_id)
     coord.put_config(cfg.to_dict())
-    log = open(tmp_path / "reference.log", "wb")
-    proc = subprocess.Popen([python, "-m", "streamrl.workers.reference_server", "--redis-url", redis_url,
-                             "--run-id", run_id], cwd=repo, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "STREAMRL_THREADS": "1"})
+    server = ManagedProcess("reference", [python, "-m", "streamrl.workers.reference_server", "--redis-url",
+                                          redis_url, "--run-id", run_id], tmp_path / "reference.log",
+                            env={"STREAMRL_THREADS": "1"})
+    server.start()
     try:
-        wait_published(proc, coord, ROLE, tmp_path / "reference.log")
-        yield proc, coord, cfg
+        wait_published(server.proc, coord, ROLE, tmp_path / "reference.log")
+        yield server.proc, coord, cfg
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        server.stop(grace_s=10)
         coord.close()
 
 

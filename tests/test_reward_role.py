@@ -6,7 +6,6 @@ thread) covers what needs a deterministic batch boundary or a quick restart.
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
@@ -18,6 +17,7 @@ import zmq
 
 from streamrl.config import Config
 from streamrl.coord.coordinator import Coordinator
+from streamrl.launcher.process import ManagedProcess
 from streamrl.rewards import build_reward
 from streamrl.roles.reward_client import RewardClient, RewardServerError, RewardServerTimeout
 from streamrl.roles.reward_model import HFRewardModel
@@ -195,28 +195,20 @@ def test_model_failure_is_an_error_reply_not_a_dead_server(rm):
 
 
 @pytest.fixture
-def reward_process(redis_url, run_id, rm_folder, python, repo, tmp_path):
+def reward_process(redis_url, run_id, rm_folder, python, tmp_path):
     """A real reward-server process for this run, its config (reward_model = the folder) in Redis."""
     cfg = Config()
     cfg.rollout.reward_model = rm_folder
     coord = Coordinator(redis_url, run_id)
     coord.put_config(cfg.to_dict())
-    log = open(tmp_path / "reward.log", "wb")
-    proc = subprocess.Popen([python, "-m", "streamrl.workers.reward_server", "--redis-url", redis_url,
-                             "--run-id", run_id], cwd=repo, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "STREAMRL_THREADS": "1"})
+    server = ManagedProcess("reward", [python, "-m", "streamrl.workers.reward_server", "--redis-url", redis_url,
+                                       "--run-id", run_id], tmp_path / "reward.log", env={"STREAMRL_THREADS": "1"})
+    server.start()
     try:
         coord.wait_endpoint(ENDPOINT, timeout_s=60)
-        yield proc, coord
+        yield server.proc, coord
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+        server.stop(grace_s=10)
         coord.close()
 
 
