@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from streamrl.monitor.report import split_rows
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="streamrl-bench e2e", description=__doc__.split("\n\n")[0])
@@ -57,7 +59,8 @@ def run_once(args, name: str, overrides: list[str]) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"run {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # one row per learner step; an evaluator (eval.interval) appends its eval/* rows to the same file
+    records, _ = split_rows([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"name": name, "records": records, "summary": summary, "launch_wall_s": time.time() - t0}
 
