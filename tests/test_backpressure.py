@@ -8,7 +8,8 @@ import torch
 
 from streamrl.bench.transport import make_batch
 from streamrl.trajectory import make_id
-from streamrl.transport.channel import TrajectoryReceiver, TrajectorySender
+from streamrl.transport.receiver import TrajectoryReceiver
+from streamrl.transport.sender import TrajectorySender
 from streamrl.transport.codec import Limits
 
 MB = 1024 * 1024

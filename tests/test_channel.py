@@ -12,7 +12,8 @@ from tensordict import TensorDict
 
 from streamrl.coord.coordinator import Coordinator
 from streamrl.trajectory import make_id, pack_trajectories
-from streamrl.transport.channel import TrajectoryReceiver, TrajectorySender
+from streamrl.transport.receiver import TrajectoryReceiver
+from streamrl.transport.sender import TrajectorySender
 from streamrl.transport.credits import CreditLedger, CreditWindow, pack_grant, unpack_grant
 
 _counter = iter(range(10**9))

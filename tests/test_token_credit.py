@@ -204,7 +204,8 @@ def test_malformed_token_rewards_rejected_with_reason(bad, reason):
 
 
 def test_token_rewards_cross_the_real_wire_and_bad_ones_are_counted():
-    from streamrl.transport.channel import TrajectoryReceiver, TrajectorySender
+    from streamrl.transport.receiver import TrajectoryReceiver
+    from streamrl.transport.sender import TrajectorySender
 
     rx = TrajectoryReceiver("tcp://127.0.0.1:*", hwm=8)
     tx = TrajectorySender(rx.endpoint, worker_id=1, hwm=8)

@@ -16,7 +16,9 @@ import torch
 import zmq
 
 from streamrl.trajectory import make_id, pack_trajectories
-from streamrl.transport.channel import KIND, TrajectoryReceiver, TrajectorySender
+from streamrl.transport.channel import KIND
+from streamrl.transport.receiver import TrajectoryReceiver
+from streamrl.transport.sender import TrajectorySender
 from streamrl.transport.codec import Limits, decode, encode
 
 N_MESSAGES = 10_000
@@ -194,7 +196,7 @@ class Fuzzer:
 
 
 def test_fuzzed_frames_are_counted_and_valid_traffic_survives(caplog):
-    caplog.set_level(logging.WARNING, logger="streamrl.transport.channel")
+    caplog.set_level(logging.WARNING, logger="streamrl.transport.receiver")
     ctx = zmq.Context()
     rx = TrajectoryReceiver("tcp://127.0.0.1:*", hwm=64, limits=LIMITS, ctx=ctx)
     fuzz = ctx.socket(zmq.DEALER)

@@ -31,7 +31,7 @@ from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.intake import Intake
 from streamrl.learner.trainer import Trainer
 from streamrl.metrics import RateLimitedRedisSink, run_sinks
-from streamrl.transport.channel import TrajectoryReceiver
+from streamrl.transport.receiver import TrajectoryReceiver
 from streamrl.transport.codec import Limits
 from streamrl.utils import die_with_parent_if_launched, limit_threads, seed_everything, setup_logging
 from streamrl.weights.factory import make_publisher

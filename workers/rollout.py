@@ -43,7 +43,7 @@ from streamrl.tasks import build_task
 from streamrl.tasks.prompts import PromptEncoder
 from streamrl.tasks.sources import build_prompt_source
 from streamrl.trajectory import make_id, pack_trajectories
-from streamrl.transport.channel import TrajectorySender
+from streamrl.transport.sender import TrajectorySender
 from streamrl.utils import limit_threads, setup_logging
 from streamrl.weights.factory import make_subscriber
 from streamrl.weights.layout import ChecksumError

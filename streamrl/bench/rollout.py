@@ -55,7 +55,7 @@ class _Drain:
     """A real ZeroMQ receiver on a thread, so the loop pays the actual send path."""
 
     def __init__(self):
-        from streamrl.transport.channel import TrajectoryReceiver
+        from streamrl.transport.receiver import TrajectoryReceiver
 
         self.rx = TrajectoryReceiver("tcp://127.0.0.1:*", hwm=64)
         self.endpoint = self.rx.endpoint
@@ -99,7 +99,7 @@ def bench_pair(engine_name: str, model: str, args) -> dict:
     from streamrl.models.factory import load_model_and_tokenizer
     from streamrl.tasks import get_task
     from streamrl.tasks.registry import eval_problems, problem_stream
-    from streamrl.transport.channel import TrajectorySender
+    from streamrl.transport.sender import TrajectorySender
     from streamrl.workers.rollout import BatchRoller
 
     length = []

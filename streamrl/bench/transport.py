@@ -41,7 +41,8 @@ import zmq
 from tensordict import TensorDict
 
 from streamrl.trajectory import make_id, pack_trajectories
-from streamrl.transport.channel import TrajectoryReceiver, TrajectorySender
+from streamrl.transport.receiver import TrajectoryReceiver
+from streamrl.transport.sender import TrajectorySender
 from streamrl.transport.codec import Limits
 
 SIZES = ["4K", "64K", "1M", "4M", "16M", "64M"]

@@ -12,7 +12,7 @@ What a learner reads from a trajectory source (both implementations)::
     stats(), close()
 
 The sending side is :meth:`LocalFeed.send`, which numbers messages and counts ``produced``
-per session like :class:`~streamrl.transport.channel.TrajectorySender` does. Validation is the
+per session like :class:`~streamrl.transport.sender.TrajectorySender` does. Validation is the
 same function the receiver runs (:func:`streamrl.trajectory.validate_trajectories`).
 """
 from __future__ import annotations
