@@ -117,3 +117,30 @@ def test_compiled_layers_reuse_graphs_across_packed_row_lengths():
             assert torch.allclose(g_e[k], g_c[k], atol=1e-5), (n, k)
     assert len(_debug_get_cache_entry_list(layer_code)) == layer_entries + 1
     assert graphs[-1] == graphs[2], graphs  # nothing compiled for the lengths after the second  # no compile at all for the lengths after the second
+
+
+def test_compiled_layers_with_flex_block_masks_compile_at_most_twice():
+    """The GPU path: a FlexAttention ``BlockMask`` per packed row (its sequence lengths are ints,
+    so the first graph specialises N; the second is symbolic). Forward only: FlexAttention has
+    no backward on the CPU."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from streamrl.learner.attention import packed_block_mask, use_packed_attention
+
+    eager, _ = build_model(MCFG, seed=0)
+    compiled = copy.deepcopy(eager)
+    mesh = build_mesh(1, "cpu", MCFG.num_experts)
+    parallelize(eager, mesh, torch.device("cpu"))
+    parallelize(compiled, mesh, torch.device("cpu"), compile_layers=True)
+    for m in (eager, compiled):
+        use_packed_attention(m)
+    layer_code = type(compiled.model.layers[0]).forward.__code__
+    layer_entries = len(_debug_get_cache_entry_list(layer_code))
+    for n in (200, 300, 450, 520):
+        ids, pos, _ = _packed_inputs(n, seq=100)
+        seg = torch.arange(n) // 100
+        with torch.no_grad():
+            y_e, y_c = (m(input_ids=ids, position_ids=pos, attention_mask=packed_block_mask(seg, seg),
+                          use_cache=False).logits for m in (eager, compiled))
+        assert torch.allclose(y_e, y_c, atol=1e-5), n
+    assert len(_debug_get_cache_entry_list(layer_code)) <= layer_entries + 2
