@@ -100,3 +100,35 @@ def test_compiled_block_equals_eager():
     assert torch.allclose(y_e, y_c, atol=1e-5)
     for name in g_e:
         assert torch.allclose(g_e[name], g_c[name], atol=1e-5), name
+
+
+class _RowScale(torch.nn.Module):
+    """Experts without the CPU loop's data-dependent split (the grouped_mm path has none):
+    row i times its expert's scale, so dispatch and combine still decide the result."""
+
+    def __init__(self, n_experts: int):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, n_experts))
+
+    def forward(self, x, counts):
+        return x * torch.repeat_interleave(self.scale, counts, output_size=x.shape[0])[:, None]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dispatch_combine_compiles_without_graph_breaks():
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    new, old, hidden = _blocks(2)
+    for b in (new, old):
+        b.experts = _RowScale(E)
+    new.forward = torch.compile(new.forward, fullgraph=True)  # raises on any graph break
+    torch.manual_seed(1)
+    x = torch.randn(2, 9, hidden)
+    res = []
+    for b in (old, new):
+        xi = x.clone().requires_grad_(True)
+        y = b(xi)
+        y.square().sum().backward()
+        res.append((y.detach(), xi.grad, b.experts.scale.grad, b.gate.weight.grad))
+    for a, c in zip(*res):
+        assert torch.allclose(a, c, atol=1e-5)

@@ -224,7 +224,10 @@ class EPMoEBlock(nn.Module):
         order = torch.argsort(flat, stable=True)
         inv_order = _inverse_permutation(order)
         x_sorted = _GatherRows.apply(x, order, inv_order, k)  # [S, H] grouped by global expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # Rows per expert from the sorted ids by binary search: a static [E] shape (bincount's
+        # output size depends on the data, which breaks the compiled graph) and no atomics.
+        edges = torch.arange(self.num_experts + 1, device=flat.device, dtype=flat.dtype)
+        counts = torch.searchsorted(flat.index_select(0, order), edges).diff()
         if self.ep_size == 1:
             y_sorted = self.experts(x_sorted, counts)
         else:
