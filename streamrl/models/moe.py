@@ -221,13 +221,13 @@ class EPMoEBlock(nn.Module):
         """Expert outputs per (token, slot): x [N, H], idx [N, k] -> [N, k, H]."""
         n, k = idx.shape
         flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        sorted_ids, order = torch.sort(flat, stable=True)
         inv_order = _inverse_permutation(order)
         x_sorted = _GatherRows.apply(x, order, inv_order, k)  # [S, H] grouped by global expert
         # Rows per expert from the sorted ids by binary search: a static [E] shape (bincount's
         # output size depends on the data, which breaks the compiled graph) and no atomics.
         edges = torch.arange(self.num_experts + 1, device=flat.device, dtype=flat.dtype)
-        counts = torch.searchsorted(flat.index_select(0, order), edges).diff()
+        counts = torch.searchsorted(sorted_ids, edges).diff()
         if self.ep_size == 1:
             y_sorted = self.experts(x_sorted, counts)
         else:
