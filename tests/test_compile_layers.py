@@ -72,3 +72,75 @@ def test_compiled_layers_under_fsdp2_and_ep2_match_eager():
         assert torch.allclose(e["y"], c["y"], atol=1e-5)
         for n in e["grads"]:
             assert torch.allclose(e["grads"][n], c["grads"][n], atol=1e-5), n
+
+
+def _packed_inputs(n: int, seq: int = 20):
+    """One packed row of n tokens: sequences of ``seq`` tokens, positions restarting, block-causal mask."""
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, 60, (1, n), generator=g)
+    seg = torch.arange(n) // seq
+    causal = torch.arange(n)[None] <= torch.arange(n)[:, None]
+    return ids, (torch.arange(n) % seq)[None], ((seg[:, None] == seg[None]) & causal)[None, None]
+
+
+def test_compiled_layers_reuse_graphs_across_packed_row_lengths():
+    """Packed micro-batches change length every step: the decoder layer compiles once, for
+    every length (N is symbolic from the start); the pieces after the CPU expert loop's graph
+    break compile twice (static, then dynamic); later lengths compile nothing. Numbers of eager."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    from streamrl.learner.attention import use_packed_attention
+
+    eager, _ = build_model(MCFG, seed=0)
+    compiled = copy.deepcopy(eager)
+    mesh = build_mesh(1, "cpu", MCFG.num_experts)
+    parallelize(eager, mesh, torch.device("cpu"))
+    parallelize(compiled, mesh, torch.device("cpu"), compile_layers=True)
+    for m in (eager, compiled):
+        use_packed_attention(m)
+    layer_code = type(compiled.model.layers[0]).forward.__code__
+    layer_entries = len(_debug_get_cache_entry_list(layer_code))  # other tests may have compiled it too
+    graphs = [counters["stats"]["unique_graphs"]]
+    for n in (40, 56, 73, 90, 111):
+        ids, pos, mask = _packed_inputs(n)
+        res = []
+        for m in (eager, compiled):
+            m.zero_grad(set_to_none=True)
+            out = m(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False).logits
+            torch.log_softmax(out.float(), -1).mean().backward()
+            res.append((out.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}))
+        graphs.append(counters["stats"]["unique_graphs"])
+        (y_e, g_e), (y_c, g_c) = res
+        assert torch.allclose(y_e, y_c, atol=1e-5), n
+        for k in g_e:
+            assert torch.allclose(g_e[k], g_c[k], atol=1e-5), (n, k)
+    assert len(_debug_get_cache_entry_list(layer_code)) == layer_entries + 1
+    assert graphs[-1] == graphs[2], graphs  # nothing compiled for the lengths after the second  # no compile at all for the lengths after the second
+
+
+def test_compiled_layers_with_flex_block_masks_compile_at_most_twice():
+    """The GPU path: a FlexAttention ``BlockMask`` per packed row (its sequence lengths are ints,
+    so the first graph specialises N; the second is symbolic). Forward only: FlexAttention has
+    no backward on the CPU."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from streamrl.learner.attention import packed_block_mask, use_packed_attention
+
+    eager, _ = build_model(MCFG, seed=0)
+    compiled = copy.deepcopy(eager)
+    mesh = build_mesh(1, "cpu", MCFG.num_experts)
+    parallelize(eager, mesh, torch.device("cpu"))
+    parallelize(compiled, mesh, torch.device("cpu"), compile_layers=True)
+    for m in (eager, compiled):
+        use_packed_attention(m)
+    layer_code = type(compiled.model.layers[0]).forward.__code__
+    layer_entries = len(_debug_get_cache_entry_list(layer_code))
+    for n in (200, 300, 450, 520):
+        ids, pos, _ = _packed_inputs(n, seq=100)
+        seg = torch.arange(n) // 100
+        with torch.no_grad():
+            y_e, y_c = (m(input_ids=ids, position_ids=pos, attention_mask=packed_block_mask(seg, seg),
+                          use_cache=False).logits for m in (eager, compiled))
+        assert torch.allclose(y_e, y_c, atol=1e-5), n
+    assert len(_debug_get_cache_entry_list(layer_code)) <= layer_entries + 2

@@ -19,6 +19,7 @@ its own shards from the HF folder (:func:`~streamrl.models.sharded_load.material
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import torch
@@ -48,19 +49,57 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
+# The dims that grow with the packed row length N, per decoder-layer input (transformers' names):
+# hidden_states [B, N, H], position_ids [B, N], cache_position [N], position_embeddings
+# (cos, sin) [B, N, D] each, a dense attention_mask [B, 1, N, N].
+_SEQ_DIMS = {"hidden_states": (1,), "position_ids": (1,), "cache_position": (0,),
+             "position_embeddings": (1,), "attention_mask": (2, 3)}
+
+
+def _mark_seq_dynamic(name: str, value) -> None:
+    """Hint dynamo that ``value``'s row-length dims vary (no error if a graph specialises them)."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            _mark_seq_dynamic(name, v)
+    elif isinstance(value, torch.Tensor):
+        for d in _SEQ_DIMS.get(name, ()):
+            if d < value.dim():
+                torch._dynamo.maybe_mark_dynamic(value, d)
+
+
+def _seq_dynamic(compiled_forward):
+    """Wrap a compiled decoder-layer forward so its first graph is already symbolic in N.
+
+    Packed micro-batches have a new length N almost every step. Left alone, dynamo compiles a
+    static graph for the first N, recompiles once more for the second and only then turns N
+    symbolic; marking N dynamic up front makes that one compile per layer variant.
+    """
+
+    @functools.wraps(compiled_forward)
+    def forward(hidden_states, *args, **kwargs):
+        _mark_seq_dynamic("hidden_states", hidden_states)
+        for name, value in kwargs.items():
+            _mark_seq_dynamic(name, value)
+        return compiled_forward(hidden_states, *args, **kwargs)
+
+    return forward
+
+
 def compile_decoder_layers(model: nn.Module) -> int:
     """``torch.compile`` the forward of every decoder layer, in place; returns how many.
 
     The layer's ``forward`` is replaced, not the module: parameter names stay those of
     transformers (no ``_orig_mod.``), and FSDP2's pre/post-forward hooks, which run in
     ``Module.__call__``, stay outside the compiled region (they all-gather and free shards).
-    Layers with a data-dependent split (EP all-to-all sizes, the CPU expert loop) compile in
-    pieces around the graph breaks. On one H200 this took the learner-step benchmark's
-    1.31 B MoE from 119.6k to 164.4k tokens/s (``streamrl.bench.learner_step --compile``).
+    The packed row length is marked dynamic (:func:`_seq_dynamic`), so micro-batches of new
+    lengths reuse the graphs instead of recompiling. Layers with a data-dependent split (EP
+    all-to-all sizes, the CPU expert loop) compile in pieces around the graph breaks. On one
+    H200 this took the learner-step benchmark's 1.31 B MoE from 119.6k to 164.4k tokens/s
+    (``streamrl.bench.learner_step --compile``).
     """
     layers = decoder_layers(model)
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, dynamic=None)
+        layer.forward = _seq_dynamic(torch.compile(layer.forward, dynamic=None))
     return len(layers)
 
 
