@@ -24,12 +24,15 @@ class Generation:
     versions[i]: optional policy version of the weights that sampled each token of
         ``tokens[i]`` (in-flight updates, see :data:`BetweenSteps`); None when the call ran
         on one version throughout (no ``between_steps`` callback).
+    cached_tokens[i]: optional count of prompt i's tokens whose KV the engine reused instead of
+        computing (hf_fast: a kept session; vllm: its prefix cache); None when not reported.
     """
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     routed_experts: list[torch.Tensor] | None = field(default=None)
     versions: list[list[int]] | None = field(default=None)
+    cached_tokens: list[int] | None = field(default=None)
 
 
 WeightsUpdate = tuple[int, Iterable[tuple[str, torch.Tensor]]]
