@@ -263,6 +263,8 @@ class VLLMEngine:
             if self.recorder is not None:
                 self.recorder.active = False
         tokens, logprobs, routed = [], [], []
+        # prompt tokens served by the prefix cache (earlier turns of an episode, a group's prompt)
+        cached = [getattr(o, "num_cached_tokens", None) for o in outs]
         for o, p in zip(outs, prompts):
             c = o.outputs[0]
             ids = list(c.token_ids)
@@ -270,7 +272,8 @@ class VLLMEngine:
             logprobs.append([float(step[t].logprob) for t, step in zip(ids, c.logprobs)])
             if self._top_k:
                 routed.append(self._routes(o.request_id, c, len(p), len(ids)))
-        return Generation(tokens=tokens, logprobs=logprobs, routed_experts=routed if self._top_k else None)
+        return Generation(tokens=tokens, logprobs=logprobs, routed_experts=routed if self._top_k else None,
+                          cached_tokens=None if None in cached else [int(x) for x in cached])
 
     def _generate_inflight(self, prompts, max_new_tokens, temperature, between_steps: BetweenSteps,
                            version: int) -> Generation:
