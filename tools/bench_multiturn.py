@@ -60,10 +60,10 @@ def main() -> None:
 
         model, tok = build_model(ModelConfig(max_positions=1024), seed=0)
     turns, reply = args.turns, ("=12345 " * args.reply_chars)[: args.reply_chars]
-    limits = EpisodeLimits(max_turns=turns, max_turn_tokens=args.turn_tokens,
-                           max_response_tokens=turns * (args.turn_tokens + 4 * args.reply_chars))
+    # prompts are under 64 tokens; the driver keeps prompt + response + turn within the cache
+    limits = EpisodeLimits(max_turns=turns, max_turn_tokens=args.turn_tokens, max_response_tokens=1024 - 64)
     eng = FastHFEngine(model.eval(), tok, device=args.device, batch_size=args.episodes, kv_cache=args.kv,
-                       max_seq_len=min(1024, 64 + limits.max_response_tokens), eos_token_id=-1)  # turns run to the cap
+                       max_seq_len=1024, eos_token_id=-1)  # no EOS: every turn runs to its cap
     problems = [f"{i * 7919 % 1000}+{i}=" for i in range(args.episodes)]
 
     def run(tool_s: float, **kw):
