@@ -222,7 +222,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """vLLM on GPU: fraction of GPU memory for weights + KV (ignored on CPU)."""
     enable_prefix_caching: bool = True
-    """Prefill a group's shared prompt once (vllm: prefix caching, reset on updates; hf_fast: K/V fork)."""
+    """Prefill a group's shared prompt once (vllm: prefix caching, reset on updates, also reusing earlier turns of env episodes; hf_fast: K/V fork)."""
     enforce_eager: bool = True
     """vLLM: run eagerly; false captures CUDA graphs (GPU only)."""
     tensor_parallel_size: int = 1

@@ -58,6 +58,11 @@ class Engine(Protocol):
         until an update arrives. With ``between_steps`` the result carries ``versions``.
         """
 
+    # Optional (hf_fast): generate(..., sessions=[id per prompt]) keeps each finished sequence's
+    # KV so a later prompt of the same session prefills only its new tokens, and
+    # release(sessions) frees them (streamrl.engines.kv_sessions). The episode driver uses them
+    # when the engine has ``release``.
+
     def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
         """Teacher-forced log-probs (temperature 1) of ``seq[start:]`` for each sequence."""
 
