@@ -118,3 +118,24 @@ def test_sessions_validated(tiny):
     for bad in (["a"], ["a", "a"], ["a", None]):
         with pytest.raises(ValueError, match="sessions"):
             eng.generate([[3, 4], [5, 6]], 2, 0.0, sessions=bad)
+
+
+def test_resuming_inside_a_shared_prompt_block_copies_it(tiny):
+    """Two sessions fork one prompt (paged: its full blocks are shared). One resumes with a prompt
+    that diverges inside a shared block: that block is copied before it is written, so the other
+    session's K/V is intact and its next turn still equals a full re-prefill."""
+    model, tok = tiny
+    p = _prompts(1, seed=8, lo=9, hi=10)[0]
+    kw = dict(batch_size=2, max_seq_len=48, eos_token_id=-1, kv_cache="paged", block_size=4)
+    eng, ref = FastHFEngine(model, tok, **kw), FastHFEngine(model, tok, **kw)
+    first = eng.generate([p, p], NEW, 0.0, sessions=["x", "y"])
+    diverged = p[:6] + REPLY
+    got_x = eng.generate([diverged], NEW, 0.0, sessions=["x"])
+    assert got_x.cached_tokens == [6]
+    _same(ref.generate([diverged], NEW, 0.0), got_x, atol=1e-4)
+    nxt_y = p + first.tokens[1] + REPLY
+    got_y = eng.generate([nxt_y], NEW, 0.0, sessions=["y"])
+    assert got_y.cached_tokens == [len(p) + NEW - 1]
+    _same(ref.generate([nxt_y], NEW, 0.0), got_y, atol=1e-4)
+    eng.release(["x", "y"])
+    assert eng.cache.free_blocks == eng.cache.num_blocks - 1
