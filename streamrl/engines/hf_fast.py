@@ -53,7 +53,7 @@ from typing import Iterable
 import torch
 
 from streamrl.engines.base import BetweenSteps, Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
-from streamrl.engines.kv_sessions import Kept, KeptSessions, reusable_prefix
+from streamrl.engines.kv_sessions import KeptSessions, reusable_prefix
 from streamrl.engines.paged_kv import PagedKVCache
 from streamrl.engines.static_kv import ATTN, StaticKVCache, sample_tokens
 
@@ -123,7 +123,6 @@ class FastHFEngine:
         self.share_prompts = share_prompts
         self.prefill_tokens = 0  # prompt tokens run through the model (shared prompts count once)
         self.reused_tokens = 0   # prompt tokens whose K/V a kept session supplied (not run again)
-        self.sessions = KeptSessions()
         self.max_len = max_seq_len or min(getattr(cfg, "max_position_embeddings", 4096), 4096)
         self.span_bucket, self.sync_every = span_bucket, sync_every
         self.graphs_on = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
@@ -145,6 +144,7 @@ class FastHFEngine:
         else:
             self.cache = StaticKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev)
         self.preemptions = 0  # paged: sequences restarted because the pool ran out
+        self.sessions = KeptSessions(self.cache, slot_bound=not self.paged)
         # Slot state, read and written in place by the captured step.
         self.tok = torch.zeros(b, dtype=torch.long, device=dev)      # last drawn token (fed next)
         self.pos = torch.zeros(b, dtype=torch.long, device=dev)      # its position
@@ -430,13 +430,13 @@ class FastHFEngine:
                 if kept is not None and start == 0:  # nothing in common: the kept K/V is of no use
                     self.release([sid])
                     kept = None
-                slot = kept.handle if kept is not None and not self.paged else self._open_slot(free, wanted())
+                slot = kept.handle if kept is not None and not self.paged else self.sessions.open_slot(free, wanted())
                 if slot is None:
                     break
                 need = self.cache.blocks_for(len(prompts[j]) + 1)
                 if kept is not None:
                     need += self.cache.extra_blocks_to_resume(kept.handle, start)
-                while need > self.cache.free_blocks - reserved and self._evict(wanted(), spare=sid):
+                while need > self.cache.free_blocks - reserved and self.sessions.evict(wanted(), spare=sid):
                     pass
                 if need > self.cache.free_blocks - reserved:
                     break
@@ -485,7 +485,7 @@ class FastHFEngine:
                 owner[s] = -1
                 if sessions is not None:  # the last drawn token was never fed: its K/V is not there
                     kept = prompts[j] + out_t[j][:-1]
-                    self.sessions.put(sessions[j], Kept(kept, self.cache.detach(s, len(kept))))
+                    self.sessions.keep(sessions[j], kept, s)
             if sessions is None:
                 self.cache.release(slots)
 
@@ -503,7 +503,7 @@ class FastHFEngine:
                 short = self.cache.grow(live, [host_pos[s] + 1 for s in live])
                 if not short:
                     break
-                if self._evict(wanted()):  # kept sessions go before running sequences
+                if self.sessions.evict(wanted()):  # kept sessions go before running sequences
                     continue
                 victim = min(live, key=lambda s: (host_gen[s], -s))
                 preempt(victim)
@@ -543,37 +543,9 @@ class FastHFEngine:
                           versions=out_v if slot_v is not None else None,
                           cached_tokens=cached if sessions is not None else None)
 
-    def _open_slot(self, free: list[int], wanted: list) -> int | None:
-        """A free slot for a prompt without kept K/V. Static: one no session keeps, else the slot of
-        an evicted session; paged: any (sessions keep blocks, not slots)."""
-        if self.paged:
-            return free[0] if free else None
-        kept = set(self.sessions.handles())
-        open_ = [s for s in free if s not in kept]
-        if open_:
-            return open_[0]
-        victim = self.sessions.victim(wanted)
-        if victim is None:
-            return None
-        slot = self.sessions.get(victim).handle
-        self._evict([], only=victim)
-        return slot
-
-    def _evict(self, wanted: list, spare=None, only=None) -> bool:
-        """Drop one kept session (``only``, else the LRU one, wanted ones last, never ``spare``)."""
-        sid = only if only is not None else self.sessions.victim(wanted, spare=spare)
-        if sid is None:
-            return False
-        self.cache.drop(self.sessions.pop(sid).handle)
-        self.sessions.evictions += 1
-        return True
-
     def release(self, sessions: list) -> None:
         """Free the kept K/V of ``sessions`` (an episode ended); unknown ids are ignored."""
-        for sid in sessions:
-            kept = self.sessions.pop(sid)
-            if kept is not None:
-                self.cache.drop(kept.handle)
+        self.sessions.release(sessions)
 
     def _cut_at_stop(self, slots: list[int], stop: list[str], checked: list[int]) -> None:
         """End the responses in ``slots`` that now contain a stop string after the token completing it.

@@ -48,9 +48,14 @@ def reusable_prefix(kept: list[int], prompt: list[int]) -> int:
 
 
 class KeptSessions:
-    """Session id -> :class:`Kept`, least recently kept first."""
+    """Session id -> :class:`Kept`, least recently kept first, over the engine's KV cache.
 
-    def __init__(self):
+    cache: the engine's :class:`~streamrl.engines.static_kv.StaticKVCache` (a session keeps its
+    slot: ``slot_bound``) or :class:`~streamrl.engines.paged_kv.PagedKVCache` (it keeps blocks).
+    """
+
+    def __init__(self, cache, slot_bound: bool):
+        self.cache, self.slot_bound = cache, slot_bound
         self._kept: OrderedDict[Hashable, Kept] = OrderedDict()
         self.evictions = 0  # sessions dropped because the cache ran short
 
@@ -77,5 +82,39 @@ class KeptSessions:
         order = [sid for sid in self._kept if sid != spare]
         return next((sid for sid in order if sid not in wanted), order[0] if order else None)
 
-    def handles(self) -> list[Any]:
-        return [k.handle for k in self._kept.values()]
+    def keep(self, sid: Hashable, tokens: list[int], slot: int) -> None:
+        """Keep slot ``slot``'s K/V of ``tokens`` (positions ``0..len-1``) under ``sid``."""
+        self.put(sid, Kept(tokens, self.cache.detach(slot, len(tokens))))
+
+    def release(self, sids: Iterable[Hashable]) -> None:
+        """Free the K/V of ``sids``; unknown ids are ignored."""
+        for sid in sids:
+            kept = self._kept.pop(sid, None)
+            if kept is not None:
+                self.cache.drop(kept.handle)
+
+    def evict(self, wanted: Iterable[Hashable] = (), spare: Hashable | None = None) -> bool:
+        """Free the :meth:`victim`'s K/V; False when nothing can be evicted."""
+        sid = self.victim(wanted, spare)
+        if sid is None:
+            return False
+        self.release([sid])
+        self.evictions += 1
+        return True
+
+    def open_slot(self, free: list[int], wanted: Iterable[Hashable]) -> int | None:
+        """A slot of ``free`` for a prompt without kept K/V: with slot-bound sessions one no session
+        keeps, else the slot of an evicted one; otherwise any."""
+        if not self.slot_bound:
+            return free[0] if free else None
+        kept = {k.handle for k in self._kept.values()}
+        open_ = [s for s in free if s not in kept]
+        if open_:
+            return open_[0]
+        sid = self.victim(wanted)
+        if sid is None:
+            return None
+        slot = self._kept[sid].handle
+        self.release([sid])
+        self.evictions += 1
+        return slot
