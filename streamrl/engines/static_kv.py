@@ -45,8 +45,10 @@ class StaticKVCache:
     """Per-layer K/V ``[B, Hkv, S, D]``; HF attention calls :meth:`update` with the new keys.
 
     Prefill mode writes ``key [n, Hkv, P, D]`` for slots ``rows`` at positions ``0..P-1`` and
-    returns the prompt's own K/V. Decode mode writes ``key [B, Hkv, 1, D]`` at ``pos[b]`` and
-    returns the first ``span`` positions of the cache (fixed shape per captured graph).
+    returns the prompt's own K/V; with ``start`` ([n], a kept session's reused length) it writes
+    row ``i`` at ``start[i]..start[i]+P-1`` and returns the rows' first ``span`` positions. Decode
+    mode writes ``key [B, Hkv, 1, D]`` at ``pos[b]`` and returns the first ``span`` positions of
+    the cache (fixed shape per captured graph).
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
@@ -57,6 +59,7 @@ class StaticKVCache:
         self.pos: torch.Tensor | None = None
         self.span = max_len
         self.prefill = False
+        self.start: torch.Tensor | None = None
 
     # Host-side interface shared with PagedKVCache: a static slot always has room.
     span_quantum = 1
@@ -80,6 +83,19 @@ class StaticKVCache:
     def release(self, slots: list[int]) -> None:
         pass
 
+    # A kept session (streamrl.engines.kv_sessions) keeps its K/V where it is: in its slot.
+    def detach(self, slot: int, length: int) -> int:
+        return slot
+
+    def attach(self, slot: int, handle: int, length: int) -> None:
+        assert slot == handle, "a static session resumes in its own slot"
+
+    def drop(self, handle: int) -> None:
+        pass
+
+    def extra_blocks_to_resume(self, handle: int, length: int) -> int:
+        return 0
+
     def fork(self, src: list[int], dst: list[int], lengths: list[int]) -> None:
         """Copy positions ``0..lengths[i]-1`` of slot ``src[i]`` into slot ``dst[i]`` (a shared prefix)."""
         dev = self.k[0].device
@@ -91,6 +107,11 @@ class StaticKVCache:
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         k, v = self.k[layer_idx], self.v[layer_idx]
+        if self.prefill and self.start is not None:
+            at = (self.start[:, None] + torch.arange(key.shape[2], device=key.device)).clamp_(max=k.shape[2] - 1)
+            k[self.rows[:, None], :, at] = key.transpose(1, 2)  # [n, P, Hkv, D] at (row, position)
+            v[self.rows[:, None], :, at] = value.transpose(1, 2)
+            return k[self.rows, :, : self.span], v[self.rows, :, : self.span]
         if self.prefill:
             p = key.shape[2]
             k[self.rows, :, :p] = key

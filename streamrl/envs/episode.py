@@ -1,10 +1,17 @@
 """The multi-turn episode driver: any engine, turn by turn, one trajectory per episode.
 
-All live episodes of a batch generate their next turn in one ``engine.generate`` call over the
-whole conversation so far (prompt + every earlier turn, as tokens; reusing the KV of earlier
-turns is left to the engines). Each model turn is decoded and handed to its environment; the
-environments step concurrently in a thread pool (their tools run while the other episodes'
-environments do). The reply is rendered to tokens and appended, and the next turn starts.
+The live episodes of a lane generate their next turn in one ``engine.generate`` call over the
+whole conversation so far (prompt + every earlier turn, as tokens). Each model turn is decoded
+and handed to its environment; the environments step concurrently in a thread pool. The reply
+is rendered to tokens and appended, and the next turn starts.
+
+* **KV across turns**: each turn's prompt is exactly the previous prompt + response + reply, so
+  an engine that keeps sessions (hf_fast, :mod:`streamrl.engines.kv_sessions`) prefills only the
+  reply; the episode's session is released when it ends. vLLM gets the same from its prefix
+  cache (``rollout.enable_prefix_caching``); the plain ``hf`` engine re-prefills every turn.
+* **Tools overlap generation** (``lanes > 1``): the batch is split into lanes that take turns at
+  the engine; while one lane's tools run, the next lane generates. ``lanes = 1``: all episodes
+  generate, then all tools run (the largest batches; best when tools are fast).
 
 The trajectory of an episode keeps the opening prompt as ``prompt_tokens`` and everything after
 it as ``response_tokens``, model and environment tokens interleaved:
@@ -25,14 +32,18 @@ shows as a version change inside the trajectory.
 """
 from __future__ import annotations
 
+import itertools
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from streamrl.envs.base import Environment, StepResult
 from streamrl.envs.render import Renderer
 from streamrl.trajectory import pack_trajectories
+
+_SESSION_IDS = itertools.count()  # engine session ids, unique for the process (an engine outlives a batch)
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,8 @@ class Episode:
     stop: str = ""
     info: dict[str, float] = field(default_factory=dict)
     started_at: float = 0.0
+    prompt_tokens: int = 0  # conversation tokens sent to the engine as prompts, all turns
+    cached_tokens: int = 0  # of those, tokens whose KV the engine reused (kept session / prefix cache)
 
     def add(self, tokens: list[int], is_model: bool, logprobs: list[float] | None, versions: list[int]) -> None:
         self.response += tokens
@@ -81,59 +94,89 @@ class Episode:
 def run_episodes(engine, envs: list[Environment], problems: list[Any], renderer: Renderer, decode: Callable,
                  eos_id: int, limits: EpisodeLimits = EpisodeLimits(), temperature: float = 1.0,
                  before_turn: Callable[[], int] = lambda: 0, pool: ThreadPoolExecutor | None = None,
-                 **generate_kwargs) -> list[Episode]:
+                 lanes: int = 1, reuse_kv: bool = True, **generate_kwargs) -> list[Episode]:
     """Play one episode per ``(env, problem)`` to the end; returns them in order.
 
     ``decode(tokens) -> str`` turns a model turn (without its end-of-turn token) into the text the
-    environment reads. ``generate_kwargs`` go to every ``engine.generate`` call (e.g. the in-flight
-    ``between_steps`` hook of hf_fast/vllm).
+    environment reads. ``lanes``: contiguous parts of the batch that take turns at the engine, so
+    one lane's tools run while another generates (1 = no overlap). ``reuse_kv``: name each
+    episode's session to an engine that keeps them (has ``release``). ``generate_kwargs`` go to
+    every ``engine.generate`` call (e.g. the in-flight ``between_steps`` hook of hf_fast/vllm).
     """
     if len(envs) != len(problems):
         raise ValueError(f"{len(envs)} environments for {len(problems)} problems")
+    if lanes < 1:
+        raise ValueError(f"lanes = {lanes}: must be >= 1")
     now = time.time()
     episodes = [Episode(prompt=renderer.prompt_tokens(env.reset(p)), started_at=now) for env, p in zip(envs, problems)]
-    live = list(range(len(episodes)))
+    release = getattr(engine, "release", None) if reuse_kv else None
+    sessions = [next(_SESSION_IDS) for _ in episodes]
+    n = len(episodes)
+    cuts = [n * k // lanes for k in range(lanes + 1)]
+    ready = deque(list(range(cuts[k], cuts[k + 1])) for k in range(lanes) if cuts[k + 1] > cuts[k])
+    running: deque[tuple[list[int], dict[int, Future], dict]] = deque()  # lanes whose tools run
     own_pool = pool is None
-    pool = pool or ThreadPoolExecutor(max_workers=max(1, min(16, len(envs))), thread_name_prefix="streamrl-env")
+    pool = pool or ThreadPoolExecutor(max_workers=max(1, min(16, n)), thread_name_prefix="streamrl-env")
+
+    def generate(live: list[int]) -> dict[int, tuple[str, bool]]:
+        """One model turn for ``live``: per episode, the turn's text and whether it ended with the
+        end-of-turn token."""
+        budget = {i: min(limits.max_turn_tokens, limits.max_response_tokens - len(episodes[i].response)) for i in live}
+        version = before_turn()
+        extra = {**generate_kwargs, "version": version} if "between_steps" in generate_kwargs else generate_kwargs
+        if release is not None:
+            extra = {**extra, "sessions": [sessions[i] for i in live]}
+        prompts = [episodes[i].prompt + episodes[i].response for i in live]
+        gen = engine.generate(prompts, max(budget.values()), temperature, **extra)
+        turns = {}
+        for j, i in enumerate(live):
+            ep, cap = episodes[i], budget[i]
+            toks, lps = gen.tokens[j][:cap], gen.logprobs[j][:cap]
+            vers = gen.versions[j][:cap] if gen.versions is not None else [version] * len(toks)
+            ep.prompt_tokens += len(prompts[j])
+            ep.cached_tokens += gen.cached_tokens[j] if gen.cached_tokens is not None else 0
+            ep.add(toks, True, lps, vers)
+            ep.turns += 1
+            ended = bool(toks) and toks[-1] == eos_id
+            turns[i] = (decode(toks[:-1] if ended else toks), ended)
+        return turns
+
+    def finish(live: list[int], steps: dict[int, Future], turns: dict[int, tuple[str, bool]]) -> list[int]:
+        """Apply the lane's environment steps; returns the episodes that play another turn."""
+        still = []
+        for i in live:
+            ep, res = episodes[i], steps[i].result()
+            ep.reward += float(res.reward)
+            for k, v in res.info.items():
+                ep.info[k] = ep.info.get(k, 0.0) + v
+            reply = [] if res.done or ep.turns >= limits.max_turns else \
+                renderer.env_tokens(res.messages, model_ended=turns[i][1])
+            # The reply must leave room for at least one model token, else the turn is pointless.
+            ep.stop = "done" if res.done else "max_turns" if ep.turns >= limits.max_turns else \
+                "max_tokens" if len(ep.response) + len(reply) >= limits.max_response_tokens else ""
+            if ep.stop:
+                if release is not None:
+                    release([sessions[i]])
+                continue
+            ep.add(reply, False, None, [ep.versions[-1]] * len(reply))
+            still.append(i)
+        return still
+
     try:
-        while live:
-            budget = {i: min(limits.max_turn_tokens, limits.max_response_tokens - len(episodes[i].response))
-                      for i in live}
-            version = before_turn()
-            extra = {**generate_kwargs, "version": version} if "between_steps" in generate_kwargs else generate_kwargs
-            gen = engine.generate([episodes[i].prompt + episodes[i].response for i in live],
-                                  max(budget.values()), temperature, **extra)
-            texts = {}
-            for j, i in enumerate(live):
-                ep, n = episodes[i], budget[i]
-                toks, lps = gen.tokens[j][:n], gen.logprobs[j][:n]
-                vers = gen.versions[j][:n] if gen.versions is not None else [version] * len(toks)
-                ep.add(toks, True, lps, vers)
-                ep.turns += 1
-                ended = bool(toks) and toks[-1] == eos_id
-                texts[i] = (decode(toks[:-1] if ended else toks), ended)
-            steps: dict[int, StepResult] = dict(zip(live, pool.map(lambda i: envs[i].step(texts[i][0]), live)))
-            still = []
-            for i in live:
-                ep, res = episodes[i], steps[i]
-                ep.reward += float(res.reward)
-                for k, v in res.info.items():
-                    ep.info[k] = ep.info.get(k, 0.0) + v
-                if res.done:
-                    ep.stop = "done"
-                    continue
-                if ep.turns >= limits.max_turns:
-                    ep.stop = "max_turns"
-                    continue
-                reply = renderer.env_tokens(res.messages, model_ended=texts[i][1])
-                # The reply must leave room for at least one model token, else the turn is pointless.
-                if len(ep.response) + len(reply) >= limits.max_response_tokens:
-                    ep.stop = "max_tokens"
-                    continue
-                ep.add(reply, False, None, [ep.versions[-1]] * len(reply))
-                still.append(i)
-            live = still
+        while ready or running:
+            while running and all(f.done() for f in running[0][1].values()):
+                still = finish(*running.popleft())
+                if still:
+                    ready.append(still)
+            if ready:
+                live = ready.popleft()
+                turns = generate(live)
+                running.append((live, {i: pool.submit(envs[i].step, turns[i][0]) for i in live}, turns))
+            elif running:  # nothing to generate: wait for the lane whose tools started first
+                wait(running[0][1].values())
     finally:
+        if release is not None:
+            release(sessions)
         if own_pool:
             pool.shutdown(wait=True)
     return episodes
@@ -156,7 +199,9 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     ``env/turns_mean``, ``env/tool_calls`` and ``env/tool_errors`` (this batch),
     ``env/tool_call_rate`` (episodes with at least one call), ``env/tool_latency_s`` (mean per
     call), ``env/env_token_frac`` (tool tokens among response tokens), ``env/answer_reward_mean``
-    (the reward without the tool-call shaping term, ``env.call_reward``) and ``env/stop_*``."""
+    (the reward without the tool-call shaping term, ``env.call_reward``), ``env/stop_*``, and the
+    prompt tokens of all turns the engine ran (``env/prefill_tokens``) or took from its KV of
+    earlier turns (``env/prefill_tokens_saved``)."""
     n = max(1, len(episodes))
     tokens = sum(len(ep.response) for ep in episodes)
     calls = sum(ep.info.get("tool_calls", 0.0) for ep in episodes)
@@ -168,6 +213,8 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         "env/tool_latency_s": sum(ep.info.get("tool_latency_s", 0.0) for ep in episodes) / max(1.0, calls),
         "env/env_token_frac": sum(len(ep.mask) - sum(ep.mask) for ep in episodes) / max(1, tokens),
         "env/answer_reward_mean": sum(ep.reward - ep.info.get("call_reward", 0.0) for ep in episodes) / n,
+        "env/prefill_tokens": float(sum(ep.prompt_tokens - ep.cached_tokens for ep in episodes)),
+        "env/prefill_tokens_saved": float(sum(ep.cached_tokens for ep in episodes)),
     }
     for reason in ("done", "max_turns", "max_tokens"):
         out[f"env/stop_{reason}"] = float(sum(ep.stop == reason for ep in episodes))

@@ -114,4 +114,5 @@ def build_episode_roller(cfg, engine, tok, problems: Iterator[Any], worker_id: i
                            max_response_tokens=ec.max_total_tokens)
     return EpisodeBatchRoller(engine, tok, problems, env_maker(cfg, tok, runner, reward), build_renderer(cfg, tok),
                               limits, next_id, prompts_per_batch=rc.prompts_per_batch, group_size=rc.group_size,
-                              temperature=rc.temperature, worker_id=worker_id, runner=runner, before_turn=before_turn)
+                              temperature=rc.temperature, worker_id=worker_id, runner=runner, before_turn=before_turn,
+                              lanes=ec.lanes)

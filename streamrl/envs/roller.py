@@ -26,18 +26,19 @@ class EpisodeBatchRoller:
     runner: the tool runner the environments share, for its counters (optional; closed by :meth:`close`).
     before_turn: () -> version, called before every turn (the worker loads newer weights there:
         in-flight updates between turns); None stamps every turn with the batch's version.
+    lanes: parts of the batch whose turns interleave so tools overlap generation (``env.lanes``).
     """
 
     def __init__(self, engine, tok, problems: Iterator[Any], make_env: Callable[[], Environment],
                  renderer: Renderer, limits: EpisodeLimits, next_id: Callable[[], int], *,
                  prompts_per_batch: int, group_size: int, temperature: float = 1.0, worker_id: int = 0,
-                 runner: ToolRunner | None = None, before_turn: Callable[[], int] | None = None):
+                 runner: ToolRunner | None = None, before_turn: Callable[[], int] | None = None, lanes: int = 1):
         if prompts_per_batch < 1 or group_size < 1:
             raise ValueError(f"prompts_per_batch = {prompts_per_batch}, group_size = {group_size}: must be >= 1")
         self.engine, self.tok, self.problems, self.make_env = engine, tok, problems, make_env
         self.renderer, self.limits, self.next_id = renderer, limits, next_id
         self.prompts_per_batch, self.group_size, self.temperature = prompts_per_batch, group_size, temperature
-        self.worker_id, self.runner, self.before_turn = worker_id, runner, before_turn
+        self.worker_id, self.runner, self.before_turn, self.lanes = worker_id, runner, before_turn, lanes
         self.last_metrics: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_workers=min(16, prompts_per_batch * group_size),
                                         thread_name_prefix="streamrl-env")
@@ -55,7 +56,8 @@ class EpisodeBatchRoller:
         kwargs = {"between_steps": between_steps} if between_steps is not None else {}
         episodes = run_episodes(self.engine, [self.make_env() for _ in flat], flat, self.renderer,
                                 self._decode, self.tok.eos_token_id, self.limits, self.temperature,
-                                before_turn=self.before_turn or (lambda: version), pool=self._pool, **kwargs)
+                                before_turn=self.before_turn or (lambda: version), pool=self._pool,
+                                lanes=self.lanes, **kwargs)
         group_ids, traj_ids = [], []
         for _ in problems:
             gid = self.next_id()
