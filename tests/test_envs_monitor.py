@@ -16,10 +16,12 @@ from streamrl.monitor.ui import render
 WORKER_ENV = [
     {"env/turns_mean": 2.0, "env/tool_call_rate": 1.0, "env/tool_calls": 64.0, "env/tool_errors": 2.0,
      "env/tool_latency_s": 0.004, "env/reward_mean": 0.5, "env/tool_calls_total": 640.0,
-     "env/tool_errors_total": 5.0, "env/tool_timeouts_total": 1.0, "env/tools_hung": 0.0},
+     "env/tool_errors_total": 5.0, "env/tool_timeouts_total": 1.0, "env/tools_hung": 0.0,
+     "env/prefill_tokens": 300.0, "env/prefill_tokens_saved": 500.0},
     {"env/turns_mean": 1.5, "env/tool_call_rate": 0.5, "env/tool_calls": 32.0, "env/tool_errors": 0.0,
      "env/tool_latency_s": 0.002, "env/reward_mean": 0.25, "env/tool_calls_total": 320.0,
-     "env/tool_errors_total": 0.0, "env/tool_timeouts_total": 0.0, "env/tools_hung": 1.0},
+     "env/tool_errors_total": 0.0, "env/tool_timeouts_total": 0.0, "env/tools_hung": 1.0,
+     "env/prefill_tokens": 100.0, "env/prefill_tokens_saved": 100.0},
 ]
 
 
@@ -43,6 +45,7 @@ def test_env_panel_rows_from_worker_metrics(redis_url, run_id, python):
     assert (env["tool_calls"], env["tool_errors"], env["tool_calls_total"]) == (96.0, 2.0, 960.0)
     assert (env["tool_errors_total"], env["tool_timeouts_total"], env["tools_hung"]) == (5.0, 1.0, 1.0)
     assert env["tool_latency_s"] == pytest.approx(0.003)
+    assert (env["prefill_tokens"], env["prefill_tokens_saved"]) == (400.0, 600.0)
 
     state = empty_state(100.0)
     state.latest = {f"rollout-{w}": m for w, m in enumerate(WORKER_ENV)}
@@ -52,6 +55,7 @@ def test_env_panel_rows_from_worker_metrics(redis_url, run_id, python):
         text = _text(snap, width)
         assert "tool-call rate" in text and "75 %" in text and "turns / episode" in text
         assert "5 / 1 / 1 errors" in text and "3.0 ms" in text
+        assert "prompt KV reused" in text and "60 %" in text
 
 
 def test_single_turn_runs_show_no_env_rows():

@@ -17,7 +17,8 @@ import time
 from streamrl.coord.coordinator import Coordinator
 from streamrl.monitor.source import resolve_target
 
-KEYS = ("env/tool_call_rate", "env/reward_mean", "env/answer_reward_mean", "env/turns_mean", "env/tool_errors", "env/tool_latency_s")
+KEYS = ("env/tool_call_rate", "env/reward_mean", "env/answer_reward_mean", "env/turns_mean", "env/tool_errors", "env/tool_latency_s",
+        "env/prefill_tokens_saved")
 
 
 def main(argv=None) -> int:

@@ -216,7 +216,8 @@ class SnapshotBuilder:
 
         Per batch, averaged over workers: turns per episode, the fraction of episodes that called
         a tool, the mean tool latency; summed over workers: tool calls and errors of the last
-        batch, and calls, errors, timeouts since the start, and tool calls still running (hung)."""
+        batch, and calls, errors, timeouts since the start, tool calls still running (hung), and
+        the last batch's prompt tokens prefilled vs taken from earlier turns' KV."""
         latest = [state.latest.get(p, {}) for p in workers]
         latest = [m for m in latest if "env/turns_mean" in m]
         if not latest:
@@ -233,7 +234,9 @@ class SnapshotBuilder:
                         "tool_calls": total("env/tool_calls"), "tool_errors": total("env/tool_errors"),
                         "tool_calls_total": total("env/tool_calls_total"),
                         "tool_errors_total": total("env/tool_errors_total"),
-                        "tool_timeouts_total": total("env/tool_timeouts_total"), "tools_hung": total("env/tools_hung")}}
+                        "tool_timeouts_total": total("env/tool_timeouts_total"), "tools_hung": total("env/tools_hung"),
+                        "prefill_tokens": total("env/prefill_tokens"),
+                        "prefill_tokens_saved": total("env/prefill_tokens_saved")}}
 
     @staticmethod
     def _roles(history, state, now, t_lo, t_hi) -> dict[str, Any]:

@@ -107,7 +107,9 @@ def critic_rows(s: dict) -> list[tuple[str, str | Text]]:
 
 def env_rows(s: dict) -> list[tuple[str, str | Text]]:
     """Rows for multi-turn runs with tools (``env.name``); none for single-turn runs. Tool
-    errors and timeouts (since the start) are flagged in words when there are any."""
+    errors and timeouts (since the start) are flagged in words when there are any. The KV row is
+    the share of the last batch's prompt tokens taken from earlier turns' KV (hf_fast sessions,
+    vLLM's prefix cache) instead of prefilled again."""
     e = s.get("env")
     if not e:
         return []
@@ -121,7 +123,14 @@ def env_rows(s: dict) -> list[tuple[str, str | Text]]:
         ("tool calls (batch / all)", f"{fmt(e.get('tool_calls'))} / {fmt(e.get('tool_calls_total'))}"),
         ("tool err / timeout / hung", bad),
         ("tool latency", fmt_s(e.get("tool_latency_s"))),
+        ("prompt KV reused", _reused(e.get("prefill_tokens"), e.get("prefill_tokens_saved"))),
     ]
+
+
+def _reused(prefilled: float | None, saved: float | None) -> str:
+    if prefilled is None or saved is None or prefilled + saved == 0:
+        return "-"
+    return f"{100 * saved / (prefilled + saved):.0f} % of {fmt(prefilled + saved)}"
 
 
 def role_rows(s: dict) -> list[tuple[str, str | Text]]:
