@@ -8,6 +8,9 @@ per-variant medians (wall and process CPU seconds).
 
     python tools/learner_ab.py --groups 4 --rounds 2 \\
         --variant b256=learner.max_tokens_per_microbatch=256 --variant b512=learner.max_tokens_per_microbatch=512
+
+A ``threads=N`` entry in a variant sets torch's intra-op threads for that variant
+(``--variant t1=threads=1 --variant t2=threads=2``).
 """
 from __future__ import annotations
 
@@ -44,7 +47,11 @@ def main() -> int:
     for r in range(a.rounds + 1):  # round 0 warms up
         row = {"round": r, "load_1min": os.getloadavg()[0]}
         for name, kvs in variants.items():
+            torch.set_num_threads(a.threads)
             for k, val in kvs:
+                if k == "threads":
+                    torch.set_num_threads(int(val))
+                    continue
                 sec, field = k.split(".", 1)
                 cur = getattr(getattr(tr.cfg, sec), field)
                 setattr(getattr(tr.cfg, sec), field, type(cur)(val == "true" if isinstance(cur, bool) else val))
