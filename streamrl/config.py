@@ -357,7 +357,7 @@ class LearnerConfig:
     """Advantages: sequence (GRPO), token (reward-to-go; needs rollout.token_rewards) or gae (the critic role's values)."""
     max_tokens_per_microbatch: int = 2048
     """Token budget of one packed micro-batch (gradients accumulate over micro-batches; a longer sequence gets its own)."""
-    shared_prompt: bool = False
+    shared_prompt: bool = True
     """Run a group's shared prompt once per micro-batch, every sample attending to it (same log-probs and gradients)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's forward in backward instead of keeping its activations (long sequences)."""

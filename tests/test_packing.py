@@ -74,8 +74,8 @@ def _assert_same(out, atol=2e-6):
 
 
 @pytest.mark.parametrize("extra", [
-    [],  # one micro-batch
-    ["learner.shared_prompt=true"],
+    ["learner.shared_prompt=false"],  # one micro-batch, each sample with its own prompt
+    [],  # the default: shared prompts
     ["learner.max_tokens_per_microbatch=24", "learner.aux_loss_coef=0", "learner.shared_prompt=true",
      "learner.logprob_chunk_tokens=3"],
     ["learner.kl_coef=0.1", "learner.entropy_coef=0.01", "learner.max_tokens_per_microbatch=16",
