@@ -12,7 +12,7 @@ Invariants checked at the end of a run (``balanced``)::
 plus the promise ``duplicated == 0``: no trajectory id trained twice in the surviving lineage.
 
 ``produced`` comes from the workers: every message carries its sender's cumulative count of
-trajectories handed to the transport (:class:`streamrl.transport.channel.TrajectorySender`),
+trajectories handed to the transport (:class:`streamrl.transport.sender.TrajectorySender`),
 and the ledger keeps the newest count per sender session. A message lost between a worker and
 the learner therefore shows up as ``lost["in_flight"]`` as soon as a later message of the same
 sender arrives. With sender retention (:mod:`streamrl.transport.retention`) that number is 0
