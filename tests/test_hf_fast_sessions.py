@@ -6,24 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.config import ModelConfig
 from streamrl.engines.hf_fast import FastHFEngine
-from streamrl.models import build_model
 from tests.test_hf_fast import _prompts
+from tests.test_hf_fast_paged import _same, tiny  # noqa: F401 - tiny is a module-scoped fixture
 
 NEW = 6
 REPLY = [7, 8, 9]  # a "tool reply" appended after each response
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = build_model(ModelConfig(), seed=1)
-    return model.eval(), tok
-
-
-def _same(a, b, atol=1e-5):
-    assert a.tokens == b.tokens
-    torch.testing.assert_close(torch.tensor(sum(a.logprobs, [])), torch.tensor(sum(b.logprobs, [])), atol=atol, rtol=0)
 
 
 def _two_turns(eng, prompts, temperature, sessions=None, seed=0):
