@@ -90,15 +90,7 @@ def test_compiled_layers_reuse_graphs_across_packed_row_lengths():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
 
-    from streamrl.learner.attention import use_packed_attention
-
-    eager, _ = build_model(MCFG, seed=0)
-    compiled = copy.deepcopy(eager)
-    mesh = build_mesh(1, "cpu", MCFG.num_experts)
-    parallelize(eager, mesh, torch.device("cpu"))
-    parallelize(compiled, mesh, torch.device("cpu"), compile_layers=True)
-    for m in (eager, compiled):
-        use_packed_attention(m)
+    eager, compiled = _eager_and_compiled_packed()
     layer_code = type(compiled.model.layers[0]).forward.__code__
     layer_entries = len(_debug_get_cache_entry_list(layer_code))  # other tests may have compiled it too
     graphs = [counters["stats"]["unique_graphs"]]
@@ -116,7 +108,7 @@ def test_compiled_layers_reuse_graphs_across_packed_row_lengths():
         for k in g_e:
             assert torch.allclose(g_e[k], g_c[k], atol=1e-5), (n, k)
     assert len(_debug_get_cache_entry_list(layer_code)) == layer_entries + 1
-    assert graphs[-1] == graphs[2], graphs  # nothing compiled for the lengths after the second  # no compile at all for the lengths after the second
+    assert graphs[-1] == graphs[2], graphs  # nothing compiled for the lengths after the second
 
 
 def test_compiled_layers_with_flex_block_masks_compile_at_most_twice():
@@ -125,15 +117,9 @@ def test_compiled_layers_with_flex_block_masks_compile_at_most_twice():
     no backward on the CPU."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from streamrl.learner.attention import packed_block_mask, use_packed_attention
+    from streamrl.learner.attention import packed_block_mask
 
-    eager, _ = build_model(MCFG, seed=0)
-    compiled = copy.deepcopy(eager)
-    mesh = build_mesh(1, "cpu", MCFG.num_experts)
-    parallelize(eager, mesh, torch.device("cpu"))
-    parallelize(compiled, mesh, torch.device("cpu"), compile_layers=True)
-    for m in (eager, compiled):
-        use_packed_attention(m)
+    eager, compiled = _eager_and_compiled_packed()
     layer_code = type(compiled.model.layers[0]).forward.__code__
     layer_entries = len(_debug_get_cache_entry_list(layer_code))
     for n in (200, 300, 450, 520):
@@ -144,3 +130,17 @@ def test_compiled_layers_with_flex_block_masks_compile_at_most_twice():
                           use_cache=False).logits for m in (eager, compiled))
         assert torch.allclose(y_e, y_c, atol=1e-5), n
     assert len(_debug_get_cache_entry_list(layer_code)) <= layer_entries + 2
+
+
+def _eager_and_compiled_packed():
+    """The same random MoE twice on one CPU rank, packed-row attention, the second with compiled layers."""
+    from streamrl.learner.attention import use_packed_attention
+
+    eager, _ = build_model(MCFG, seed=0)
+    compiled = copy.deepcopy(eager)
+    mesh = build_mesh(1, "cpu", MCFG.num_experts)
+    parallelize(eager, mesh, torch.device("cpu"))
+    parallelize(compiled, mesh, torch.device("cpu"), compile_layers=True)
+    for m in (eager, compiled):
+        use_packed_attention(m)
+    return eager, compiled
