@@ -450,7 +450,7 @@ class FastHFEngine:
                 self.cache.attach(slot, kept.handle, start)
                 reserved += self.cache.blocks_for(len(prompts[j]) + 1) - self.cache.blocks_for(start)
                 resumed.append((j, slot, start))
-            chosen = [(j, s) for j, s in fresh] + [(j, s) for j, s, _ in resumed]
+            chosen = fresh + [(j, s) for j, s, _ in resumed]
             if not chosen:
                 return
             self.max_new[torch.tensor([s for _, s in chosen], device=self.device)] = torch.tensor(
