@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -606,10 +607,32 @@ class Config:
             getattr(self, f.name).validate(f.name)
         _check(self.learner.advantage != "gae" or bool(self.placement.critic), "learner.advantage",
                self.learner.advantage, "gae needs the critic role: set placement.critic (e.g. [cpu])")
+        stuck = _admission_deadlock(self.rollout.prompts_per_batch, self.learner.groups_per_step,
+                                    self.learner.max_staleness)
+        _check(stuck is None, "rollout.prompts_per_batch", self.rollout.prompts_per_batch,
+               f"workers reserve whole batches, and with learner.groups_per_step = {self.learner.groups_per_step} "
+               f"and learner.max_staleness = {self.learner.max_staleness} the learner would wait forever at "
+               f"version {stuck}: use a batch that divides groups_per_step or a larger max_staleness")
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _admission_deadlock(batch: int, groups_per_step: int, max_staleness: int) -> int | None:
+    """First version at which admission control stalls the run, or None if none does.
+
+    Workers reserve ``batch`` groups at a time while ``reserved + batch <= (version + max_staleness
+    + 1) * groups_per_step`` (:meth:`Coordinator.try_reserve`); the learner at ``version`` needs
+    ``(version + 1) * groups_per_step`` groups reserved in all. The reservable total is the largest
+    multiple of ``batch`` under the limit, so the condition is periodic in the version with period
+    ``batch / gcd(batch, groups_per_step)``: checking one period decides every version.
+    """
+    for version in range(batch // math.gcd(batch, groups_per_step) + 1):
+        limit = (version + max_staleness + 1) * groups_per_step
+        if limit // batch * batch < (version + 1) * groups_per_step:
+            return version
+    return None
 
 
 def _coerce(value: Any, tp: Any, name: str) -> Any:

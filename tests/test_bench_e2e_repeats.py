@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from streamrl.bench.e2e import parse_args, summarize
+from streamrl.bench.e2e import parse_args, summarize, sync_batch
 
 
 def _run(name: str, samples_per_s: float, idle_frac: float, steps: int = 4) -> dict:
@@ -36,3 +36,26 @@ def test_repeats_give_medians_and_spreads(tmp_path):
 
 def test_repeats_default_three():
     assert parse_args([]).repeats == 3 and parse_args(["--repeats", "1"]).repeats == 1
+
+
+def test_steady_state_leaves_out_the_start_up(tmp_path):
+    """A 10 s first step (compile, graph capture) then 1 s steps: the steady figure sees only the latter."""
+    args = argparse.Namespace(target=None, staleness=4, learners=1, rollers=1, steps=10, config="c.yaml")
+    runs = []
+    for name, per_step in (("sync", 8), ("async", 16)):
+        run = _run(name, per_step, 0.5, steps=10)
+        for i, rec in enumerate(run["records"]):
+            rec["wall_s"] = 10.0 + i  # the first step ends at 10 s, then one step per second
+        run["records"][0]["learner/idle_s"] = 9.5
+        runs.append(run)
+    res = summarize(args, [tuple(runs)], tmp_path / "p.png")
+    assert res["sync"]["samples_per_s_steady"] == pytest.approx(8)  # steps 3..10 after the first fifth
+    assert res["sync"]["samples_per_s"] == pytest.approx(80 / 19)
+    assert res["speedup_async_vs_sync_steady"] == pytest.approx(2)
+    assert res["async"]["learner_idle_pct_steady"] == pytest.approx(50)
+
+
+@pytest.mark.parametrize("batch, per_step, rollers, want", [
+    (8, 8, 1, 8), (4, 8, 2, 4), (32, 8, 1, 8), (32, 8, 2, 4), (32, 6, 4, 6), (3, 8, 1, 8)])
+def test_sync_run_generates_one_step_at_a_time(batch, per_step, rollers, want):
+    assert sync_batch(batch, per_step, rollers) == want

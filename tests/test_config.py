@@ -61,3 +61,10 @@ def test_missing_file_and_bad_override(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(bad)
+
+
+def test_batch_that_admission_control_can_never_admit_is_refused():
+    """Workers reserve whole batches: 32 groups never fit one on-policy step of 8 (the run would hang)."""
+    with pytest.raises(ConfigError, match=r"rollout.prompts_per_batch.*32.*max_staleness = 0"):
+        load_config(None, ["rollout.prompts_per_batch=32", "learner.groups_per_step=8", "learner.max_staleness=0"])
+    load_config(None, ["rollout.prompts_per_batch=32", "learner.groups_per_step=8", "learner.max_staleness=4"])

@@ -89,3 +89,25 @@ def test_acks_heartbeats_ttl_and_timings(redis_url, run_id):
     assert c.wait_acks(3, [1, 2], timeout_s=1.0)
     c.put_weight_timings(2, {"weights/load_s": 0.5})
     assert c.weight_timings(2) == {"weights/load_s": 0.5}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("batch, per_step, staleness", [
+    (8, 8, 0), (4, 8, 0), (3, 8, 0), (32, 8, 0), (32, 8, 4), (12, 8, 1), (64, 8, 4), (16, 8, 1), (5, 4, 1)])
+def test_config_admission_check_matches_the_reservation_script(redis_url, run_id, batch, per_step, staleness):
+    """The config's deadlock check (``_admission_deadlock``) predicts exactly what the Redis
+    reservation script does: two workers reserve whole batches as long as it admits them, the
+    learner trains ``per_step`` groups and advances the version whenever enough are reserved."""
+    from streamrl.config import _admission_deadlock
+
+    c = Coordinator(redis_url, run_id)
+    c.r.set(c.keys.version, 0)
+    reserved, stalled_at = 0, None
+    for version in range(2 * batch + 2):
+        c.r.set(c.keys.version, version)
+        while c.try_reserve(batch, staleness, per_step):  # both workers alike: one counter
+            reserved += batch
+        if reserved < (version + 1) * per_step:
+            stalled_at = version
+            break
+    assert stalled_at == _admission_deadlock(batch, per_step, staleness)

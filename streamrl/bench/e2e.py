@@ -3,7 +3,11 @@
 Runs ``streamrl-launch`` twice with identical config, code and process counts:
 
 * **sync**: ``learner.max_staleness=0`` — admission control lets workers generate only for the
-  current version, so the learner trains strictly on-policy and workers wait for each version;
+  current version, so the learner trains strictly on-policy and workers wait for each version.
+  A synchronous trainer generates one step's groups at a time, so when the config's
+  ``rollout.prompts_per_batch`` does not divide ``learner.groups_per_step`` (e.g. 256-sequence
+  decode batches that only an asynchronous run can fill) the sync run splits one step's groups
+  over the workers instead (:func:`sync_batch`; the result's ``sync_prompts_per_batch``);
 * **async**: ``learner.max_staleness=k`` (default 4) with the configured off-policy correction.
 
 Figures per run come from the run's own ``metrics.jsonl`` and ``summary.json``. With ``--json``
@@ -13,7 +17,8 @@ reach ``--target`` reward). ``--repeats N`` (default 3) runs sync and async N ti
 alternately (sync, async, sync, ...: drift of a shared machine hits both alike); the figures
 are then medians over the repeats, ``spread`` holds their min-max, ``speedup_async_vs_sync`` is
 the ratio of the median samples/s (its spread: the min-max of the per-pair ratios) and
-``runs`` the per-repeat figures. ``--ablation`` instead compares off-policy corrections at high
+``runs`` the per-repeat figures. ``*_steady`` figures leave out the first fifth of the steps
+(start-up: model load, compile, CUDA-graph capture), which the whole-run figures include. ``--ablation`` instead compares off-policy corrections at high
 staleness (``--losses``, ``--ablation-staleness``) over ``--seeds``.
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from streamrl.config import load_config
 from streamrl.monitor.report import split_rows
 
 
@@ -65,6 +71,14 @@ def run_once(args, name: str, overrides: list[str]) -> dict:
     return {"name": name, "records": records, "summary": summary, "launch_wall_s": time.time() - t0}
 
 
+def sync_batch(prompts_per_batch: int, groups_per_step: int, rollers: int) -> int:
+    """``rollout.prompts_per_batch`` of the sync run: the config's if it divides one step's groups,
+    else one step's groups split evenly over the workers (else all of them in one batch)."""
+    if groups_per_step % prompts_per_batch == 0:
+        return prompts_per_batch
+    return groups_per_step // rollers if groups_per_step % rollers == 0 else groups_per_step
+
+
 def smoothed_rewards(records: list[dict], window: int = 5) -> list[float]:
     r = [rec["learner/reward_mean"] for rec in records]
     return [sum(r[max(0, i - window + 1): i + 1]) / len(r[max(0, i - window + 1): i + 1]) for i in range(len(r))]
@@ -82,8 +96,14 @@ def figures(run: dict, target: float) -> dict:
     hit = next((i for i, v in enumerate(sm) if v >= target), None)
     received_tokens = s["transport"].get("transport/response_tokens", None)
     k = max(1, len(recs) // 10)
+    # steady state: from the end of the first fifth of the steps (start-up left out)
+    first = recs[max(1, len(recs) // 5) - 1] if len(recs) > 1 else {"wall_s": 0.0, "learner/samples": 0}
+    later = recs[max(1, len(recs) // 5):] or recs
+    later_idle = sum(r["learner/idle_s"] for r in later)
     return {
         "samples_per_s": samples / wall,
+        "samples_per_s_steady": (samples - first["learner/samples"]) / max(wall - first["wall_s"], 1e-9),
+        "learner_idle_pct_steady": 100 * later_idle / max(later_idle + sum(r["learner/step_s"] for r in later), 1e-9),
         "trained_tokens_per_s": trained_tokens / wall,
         "generated_tokens_per_s": (received_tokens / wall) if received_tokens else trained_tokens / wall,
         "learner_idle_pct": 100 * idle / max(idle + busy, 1e-9),
@@ -140,10 +160,13 @@ def main(argv=None) -> int:
     if args.repeats < 1:
         print(f"--repeats = {args.repeats}: must be >= 1", file=sys.stderr)
         return 2
+    cfg = load_config(args.config, args.overrides)  # a config error stops here, before any launch
+    args.sync_ppb = sync_batch(cfg.rollout.prompts_per_batch, cfg.learner.groups_per_step, args.rollers)
+    sync_overrides = ["learner.max_staleness=0", f"rollout.prompts_per_batch={args.sync_ppb}"]
     pairs = []
     for r in range(args.repeats):
         tag = f"-{r}" if args.repeats > 1 else ""
-        pairs.append((run_once(args, f"sync{tag}", ["learner.max_staleness=0"]),
+        pairs.append((run_once(args, f"sync{tag}", sync_overrides),
                       run_once(args, f"async{tag}", [f"learner.max_staleness={args.staleness}"])))
     result = summarize(args, pairs, out / "async_vs_sync.png")
     (out / "result.json").write_text(json.dumps(result, indent=2))
@@ -160,25 +183,30 @@ def summarize(args, pairs: list[tuple[dict, dict]], png: Path) -> dict:
     per = [(figures(sync, target), figures(asyn, target)) for sync, asyn in pairs]
     fs, fa = median_figures([f for f, _ in per]), median_figures([f for _, f in per])
     ratios = [a["samples_per_s"] / b["samples_per_s"] for b, a in per]
+    steady = [a["samples_per_s_steady"] / b["samples_per_s_steady"] for b, a in per]
     plot([run for pair in pairs for run in pair], png,
          f"async (k={args.staleness}) vs sync — {args.learners} learner(s), {args.rollers} roller(s)")
     result = {
         "benchmark": "e2e",
         "config": args.config, "learners": args.learners, "rollers": args.rollers, "steps": args.steps,
         "staleness": args.staleness, "target_reward": target, "repeats": len(pairs),
+        "sync_prompts_per_batch": getattr(args, "sync_ppb", None),
         "sync": fs, "async": fa,
         "speedup_async_vs_sync": fa["samples_per_s"] / fs["samples_per_s"],
+        "speedup_async_vs_sync_steady": fa["samples_per_s_steady"] / fs["samples_per_s_steady"],
         "time_to_target_ratio": (fs["time_to_target_s"] / fa["time_to_target_s"])
         if fs["time_to_target_s"] and fa["time_to_target_s"] else None,
         "final_reward_diff": fa["final_reward"] - fs["final_reward"],
         "spread": {
             "speedup_async_vs_sync": [min(ratios), max(ratios)],
+            "speedup_async_vs_sync_steady": [min(steady), max(steady)],
             **{f"{k}_{name}": [min(f[i][k] for f in per), max(f[i][k] for f in per)]
-               for k in ("samples_per_s", "learner_idle_pct") for i, name in ((0, "sync"), (1, "async"))},
+               for k in ("samples_per_s", "learner_idle_pct", "samples_per_s_steady", "learner_idle_pct_steady")
+               for i, name in ((0, "sync"), (1, "async"))},
         },
-        "runs": [{"sync": b, "async": a, "speedup_async_vs_sync": x,
+        "runs": [{"sync": b, "async": a, "speedup_async_vs_sync": x, "speedup_async_vs_sync_steady": y,
                   "launch_wall_s": [sync["launch_wall_s"], asyn["launch_wall_s"]]}
-                 for (b, a), x, (sync, asyn) in zip(per, ratios, pairs)],
+                 for (b, a), x, y, (sync, asyn) in zip(per, ratios, steady, pairs)],
         "png": str(png),
     }
     return result
@@ -206,7 +234,8 @@ def ablation(args, out: Path) -> int:
 
 
 def _print_table(result: dict) -> None:
-    keys = ["samples_per_s", "generated_tokens_per_s", "trained_tokens_per_s", "learner_idle_pct", "wall_s",
+    keys = ["samples_per_s", "samples_per_s_steady", "generated_tokens_per_s", "trained_tokens_per_s",
+            "learner_idle_pct", "learner_idle_pct_steady", "wall_s",
             "time_to_target_s", "samples_to_target", "reward_first", "final_reward", "samples_dropped_stale",
             "staleness_mean"]
     print(f"{'figure':<24}{'sync':>14}{'async':>14}")
@@ -222,7 +251,8 @@ def _print_table(result: dict) -> None:
               f"sync {sp['learner_idle_pct_sync'][0]:.1f}-{sp['learner_idle_pct_sync'][1]:.1f}, "
               f"async {sp['learner_idle_pct_async'][0]:.1f}-{sp['learner_idle_pct_async'][1]:.1f}; "
               f"speedup {sp['speedup_async_vs_sync'][0]:.2f}-{sp['speedup_async_vs_sync'][1]:.2f}")
-    print(f"speedup_async_vs_sync {result['speedup_async_vs_sync']:.2f}  "
+    print(f"speedup_async_vs_sync {result['speedup_async_vs_sync']:.2f} (steady state "
+          f"{result['speedup_async_vs_sync_steady']:.2f})  "
           f"time_to_target_ratio {result['time_to_target_ratio']}  (target {result['target_reward']:.3f})")
 
 

@@ -4,23 +4,29 @@
 # of each alternately; medians and min-max spreads in result.json. Run on the device machine from
 # the repo root. STEPS defaults to 8 (the config says 10) so 6 launches fit < 9 min: the first
 # launch compiles the decode step, later ones reuse the inductor cache (TORCHINDUCTOR_CACHE_DIR).
-# CONFIG=configs/gpu-moe.yaml STEPS=30 REPEATS=1 gives the issue-9 figure.
+# CONFIG=configs/gpu-moe.yaml STEPS=30 REPEATS=1 gives the issue-9 figure. ROLLERS (1): rollout
+# workers, all on cuda:0; TAG names the $OUT subfolder; extra arguments are config overrides.
 set -uo pipefail
 source tools/gpu/env.sh || exit 1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 CONFIG=${CONFIG:-configs/gpu-long.yaml}
 STEPS=${STEPS:-8}
 REPEATS=${REPEATS:-3}
-timeout ${E2E_TIMEOUT:-530} python3 -m streamrl.bench.cli e2e --config "$CONFIG" --learners 1 --rollers 1 \
-  --steps "$STEPS" --repeats "$REPEATS" --out /tmp/e2e --json "$@" 2>&1 | tail -20
-for f in result.json async_vs_sync.png; do cp /tmp/e2e/$f "$OUT/" 2>/dev/null; done
-for d in /tmp/e2e/sync* /tmp/e2e/async*; do
+ROLLERS=${ROLLERS:-1}
+TAG=${TAG:-e2e}          # several calls in one device command: outputs go to $OUT/$TAG
+E2E=/tmp/$TAG; mkdir -p "$OUT/$TAG"
+timeout ${E2E_TIMEOUT:-530} python3 -m streamrl.bench.cli e2e --config "$CONFIG" --learners 1 --rollers "$ROLLERS" \
+  --steps "$STEPS" --repeats "$REPEATS" --out "$E2E" --json "$@" 2>&1 | tail -20
+for f in result.json async_vs_sync.png; do cp "$E2E/$f" "$OUT/$TAG/" 2>/dev/null; done
+for d in "$E2E"/sync* "$E2E"/async*; do
   r=$(basename "$d")
-  cp "$d/metrics.jsonl" "$OUT/$r-metrics.jsonl" 2>/dev/null
-  tail -30 "$d/logs/learner.log" > "$OUT/$r-learner.log" 2>/dev/null
+  cp "$d/metrics.jsonl" "$OUT/$TAG/$r-metrics.jsonl" 2>/dev/null
+  tail -30 "$d/logs/learner.log" > "$OUT/$TAG/$r-learner.log" 2>/dev/null
+  for w in "$d"/logs/rollout*.log; do tail -15 "$w" > "$OUT/$TAG/$r-$(basename "$w")" 2>/dev/null; done
 done
-python3 - <<'PY' 2>/dev/null
-import json; r = json.load(open("/tmp/e2e/result.json"))
+E2E=$E2E python3 - <<'PY' 2>/dev/null
+import json, os; r = json.load(open(os.environ["E2E"] + "/result.json"))
 for run in r["runs"]:
-    print("launch wall s (sync, async):", [round(x) for x in run["launch_wall_s"]], "speedup", round(run["speedup_async_vs_sync"], 3))
+    print("launch wall s (sync, async):", [round(x) for x in run["launch_wall_s"]], "speedup", round(run["speedup_async_vs_sync"], 3),
+          "steady", round(run["speedup_async_vs_sync_steady"], 3))
 PY
