@@ -171,3 +171,20 @@ def test_checkpointer_round_trips_the_intake_and_progress(cfg, coord, tmp_path):
     assert intake2.ledger.trained_ids == intake.ledger.trained_ids and torch.equal(
         intake2.seen.state_dict()["ids"], intake.seen.state_dict()["ids"])
     assert intake2.accounting() == intake.accounting()
+
+
+@pytest.mark.parametrize("state, refunds", [("generating", False), ("waiting_admission", True)])
+def test_a_starving_learner_refunds_only_when_no_worker_is_generating(cfg, coord, tmp_path, monkeypatch, state,
+                                                                      refunds):
+    """A batch of long responses takes minutes: while a worker generates, its reservation is on the
+    way and must not be handed out again; when every worker waits for admission, it leaked."""
+    import streamrl.learner.intake as intake_mod
+
+    monkeypatch.setattr(intake_mod, "REFUND_AFTER_S", 0.3)
+    for w in (0, 1):
+        coord.heartbeat(w, {"pid": 0, "state": state})
+    intake, _ = make_intake(cfg, coord, tmp_path)  # starves (stops the run) after 3 s
+    intake.open(0, replay=False)
+    intake.start(version=0)
+    assert intake.next_batch(version=0) is None and coord.stop_reason() == "starved"
+    assert (intake.admission.refunded["starving"] > 0) == refunds

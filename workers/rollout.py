@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 import torch
@@ -49,6 +50,9 @@ from streamrl.weights.factory import make_subscriber
 from streamrl.weights.layout import ChecksumError
 
 HEARTBEAT_S = 1.0
+# Heartbeat states the learner reads: a worker "generating" holds reservations it will fill; one
+# "waiting_admission" holds none and is blocked (see streamrl.learner.intake's starvation refund).
+GENERATING, WAITING_ADMISSION = "generating", "waiting_admission"
 # In-flight updates: the Redis look-up for a newer version runs at most this often.
 INFLIGHT_POLL_S = 0.05
 
@@ -184,6 +188,7 @@ class RolloutWorker:
         self.metrics = RateLimitedRedisSink(self.coord, f"rollout-{self.wid}")
         self.counter = 0
         self.stopping = False
+        self.state = "starting"
         self.host = socket.gethostname()
         self._last_poll = 0.0
         self.inflight_loads = 0
@@ -245,11 +250,26 @@ class RolloutWorker:
         return mismatch_metrics(self.engine.score(seqs, starts), self.reference.score(seqs, starts))
 
     def heartbeat(self, state: str) -> None:
+        """Record ``state``; the heartbeat thread reports it (and sends one now)."""
+        self.state = state
+        self._send_heartbeat()
+
+    def _send_heartbeat(self) -> None:
         self.coord.heartbeat(self.wid, {
             "host": self.host, "pid": os.getpid(), "device": self.cfg.rollout.device,
-            "version": self.subscriber.loaded_version, "state": state, "incarnation": self.incarnation,
+            "version": self.subscriber.loaded_version, "state": self.state, "incarnation": self.incarnation,
             "engine": self.cfg.rollout.engine,
         })
+
+    def _heartbeat_loop(self, done: threading.Event) -> None:
+        """Beat every ``HEARTBEAT_S`` from a thread: one batch at real lengths (and the first
+        one's compile) takes far longer than the heartbeat TTL, and a worker that beats only
+        between batches would be declared gone (and its reservations refunded) while it works."""
+        while not done.wait(HEARTBEAT_S):
+            try:
+                self._send_heartbeat()
+            except Exception as e:  # noqa: BLE001 - Redis down: the main loop's retries handle outages
+                self.log.debug("heartbeat failed: %s", e)
 
     def run(self) -> int:
         cfg = self.cfg
@@ -257,22 +277,23 @@ class RolloutWorker:
         endpoint = self.coord.wait_endpoint("trajectories")
         sender = TrajectorySender(endpoint, self.wid, hwm=cfg.transport.hwm, retain_bytes=cfg.transport.retain_bytes)
         self.log.info("connected to %s (incarnation %d, engine %s)", endpoint, self.incarnation, rc.engine)
-        last_hb = 0.0
         gen_tokens = trajectories = 0
         wait_s = 0.0
         t_start = time.perf_counter()
+        self.heartbeat("running")
+        beating = threading.Event()
+        threading.Thread(target=self._heartbeat_loop, args=(beating,), name="heartbeat", daemon=True).start()
         try:
             while not self.stopping and self.coord.stop_reason() is None:
-                now = time.monotonic()
-                if now - last_hb > HEARTBEAT_S:
-                    self.heartbeat("running")
-                    last_hb = now
                 if not self.coord.try_reserve(rc.prompts_per_batch, cfg.learner.max_staleness,
                                               cfg.learner.groups_per_step):
+                    if self.state != WAITING_ADMISSION:
+                        self.heartbeat(WAITING_ADMISSION)
                     sender.service()  # acks; resends what a restarted learner lost
                     time.sleep(0.02)
                     wait_s += 0.02
                     continue
+                self.heartbeat(GENERATING)
                 load_s = self.sync_weights()
                 if self.subscriber.loaded_version < 0:
                     self.coord.refund(rc.prompts_per_batch)
@@ -308,6 +329,7 @@ class RolloutWorker:
                     **versions_spanned(td["policy_version"], td["response_lens"]),  # in-flight drift
                 })
         finally:
+            beating.set()
             try:  # leaving a live run (signal): give sent trajectories a moment to become durable
                 if self.coord.stop_reason() is None and not sender.flush(timeout_s=3.0, durable=True):
                     self.log.warning("leaving with %d messages not yet acknowledged by the learner",

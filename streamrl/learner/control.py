@@ -97,6 +97,10 @@ class ControlPlane:
                             "refunding %d group reservation(s)", w, self.admission.groups_per_batch)
                 self.admission.refund(self.admission.groups_per_batch, "worker_left")
 
+    def generating(self) -> list[int]:
+        """Live workers whose heartbeat says they are filling a reservation (a batch under way)."""
+        return [w for w, hb in self.coord.workers().items() if hb is not None and hb.get("state") == "generating"]
+
     def alive(self) -> set[int]:
         return set(self._alive)
 

@@ -37,8 +37,11 @@ from streamrl.learner.journal import Journal
 from streamrl.trajectory import concat_trajectories, split_id, split_trajectories
 
 log = logging.getLogger(__name__)
-# If no complete batch arrives for this long, assume reservations of dead workers leaked
-# and give the shortfall back so live workers can fill it (the buffer still enforces staleness).
+# If no complete batch arrives for this long while no live worker is generating, reservations
+# leaked (a worker died holding some and came back before its heartbeat expired): give the
+# shortfall back so live workers can fill it. While a worker generates, its batch is on the way:
+# at real lengths one batch takes minutes, and refunding then would admit extra batches that
+# arrive too late and are dropped as stale (the first 1k-token GPU runs dropped 70 % that way).
 REFUND_AFTER_S = 5.0
 POLL_S = 0.2
 # Ids remembered for duplicate drops. A resend is at most a worker's retention bound old
@@ -180,10 +183,13 @@ class Intake:
                 self.coord.request_stop("starved")
                 return None
             if now - last_refund > REFUND_AFTER_S:
-                short = self.groups_per_step - self.buffer.complete_groups()
-                log.warning("waited %.0f s for data; refunding %d group reservations", now - t0, short)
-                self.admission.refund(short, "starving")
                 last_refund = now
+                busy = self.control.generating()
+                if not busy:
+                    short = self.groups_per_step - self.buffer.complete_groups()
+                    log.warning("waited %.0f s for data and no worker is generating; refunding %d group "
+                                "reservations", now - t0, short)
+                    self.admission.refund(short, "starving")
             self.receive(POLL_S)
 
     def receive(self, timeout_s: float) -> int:
