@@ -10,6 +10,9 @@ set -uo pipefail
 source tools/gpu/env.sh || exit 1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 CONFIG=${CONFIG:-configs/gpu-long.yaml}
+if [[ $CONFIG == configs/gpu-long.yaml && ! -f /tmp/moe-long/config.json ]]; then
+  python3 tools/gpu/moe_long.py /tmp/moe-long > "$OUT/moe_long.log" 2>&1 || { echo "moe_long.py failed"; exit 1; }
+fi
 STEPS=${STEPS:-8}
 REPEATS=${REPEATS:-3}
 ROLLERS=${ROLLERS:-1}
@@ -21,7 +24,8 @@ for f in result.json async_vs_sync.png; do cp "$E2E/$f" "$OUT/$TAG/" 2>/dev/null
 for d in "$E2E"/sync* "$E2E"/async*; do
   r=$(basename "$d")
   cp "$d/metrics.jsonl" "$OUT/$TAG/$r-metrics.jsonl" 2>/dev/null
-  tail -30 "$d/logs/learner.log" > "$OUT/$TAG/$r-learner.log" 2>/dev/null
+  { grep -m1 -B5 -A60 "^Traceback" "$d/logs/learner.log"; echo ...; tail -30 "$d/logs/learner.log"; } \
+    > "$OUT/$TAG/$r-learner.log" 2>/dev/null
   for w in "$d"/logs/rollout*.log; do tail -15 "$w" > "$OUT/$TAG/$r-$(basename "$w")" 2>/dev/null; done
 done
 E2E=$E2E python3 - <<'PY' 2>/dev/null
