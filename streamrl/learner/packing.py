@@ -90,8 +90,10 @@ class MicroBatch:
         if device.type == "cpu":
             return self
         moved = {f: getattr(self, f) for f in _TENSOR_FIELDS}
-        return replace(self, **{f: None if t is None else t.pin_memory().to(device, non_blocking=True)
-                                for f, t in moved.items()})
+        # a micro-batch moved before (a second pass over the same batch) is already there: only
+        # host tensors can be pinned
+        return replace(self, **{f: None if t is None else (t.pin_memory() if t.is_cpu else t).to(
+            device, non_blocking=True) for f, t in moved.items()})
 
     def to_grid(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """Scatter per-selected-token ``values`` [n] onto the ``[b, width]`` response grid (0 elsewhere).
