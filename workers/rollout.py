@@ -50,6 +50,7 @@ from streamrl.weights.factory import make_subscriber
 from streamrl.weights.layout import ChecksumError
 
 HEARTBEAT_S = 1.0
+HEARTBEAT_TTL_S = 10.0  # a worker silent for this long is gone: the learner refunds its reservations
 # Heartbeat states the learner reads: a worker "generating" holds reservations it will fill; one
 # "waiting_admission" holds none and is blocked (see streamrl.learner.intake's starvation refund).
 GENERATING, WAITING_ADMISSION = "generating", "waiting_admission"
@@ -259,7 +260,7 @@ class RolloutWorker:
             "host": self.host, "pid": os.getpid(), "device": self.cfg.rollout.device,
             "version": self.subscriber.loaded_version, "state": self.state, "incarnation": self.incarnation,
             "engine": self.cfg.rollout.engine,
-        })
+        }, ttl_s=HEARTBEAT_TTL_S)
 
     def _heartbeat_loop(self, done: threading.Event) -> None:
         """Beat every ``HEARTBEAT_S`` from a thread: one batch at real lengths (and the first
