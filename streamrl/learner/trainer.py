@@ -307,7 +307,7 @@ class Trainer:
         policy = model is self.model
         values = values and self.critic and policy
         req = HeadRequest(mb.targets, self.cfg.rollout.temperature, lc.logprob_chunk_tokens,
-                          entropy, value_head(model) if values else None)
+                          entropy, value_head(model) if values else None, compiled=lc.compile)
         for i, b in enumerate(self.blocks if policy else []):
             b.replay = None if mb.replay is None else mb.replay[:, i]
         mask = mb.attention_mask
