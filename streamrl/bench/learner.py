@@ -192,7 +192,13 @@ def run_child(args) -> int:
     res["attention"] = tr.attention
     res["flex_options"] = args.flex_options
     res["logprob_chunk_tokens"] = tr.cfg.learner.logprob_chunk_tokens
+    # The host part of the step before its first kernel (grid, advantages, packing, H2D copies,
+    # block masks): on the GPU it is part of the wall-vs-device gap
+    sync()
+    t1 = time.perf_counter()
     res["microbatches_per_step"] = len(tr._prepare(batch)[3][0][0])
+    sync()
+    res["prepare_s"] = time.perf_counter() - t1
     if args.profile:
         from streamrl.bench.learner_step import profile_breakdown
 

@@ -12,6 +12,8 @@
 #   and on request (RUNS=...):
 #     e4k     4 k eager (what compile buys)
 #     c4k512  4 k compiled with the config's 512-row log-prob chunks (what CHUNK buys)
+#     c4kone  4 k compiled, all 32k log-prob rows in one chunk: its bf16 logits (2 GiB) are kept
+#             for the backward instead of recomputed (one LM-head matmul less)
 #     f4k-fwd128x64 | f4k-fwd64x128 | f4k-bwd64 | f4k-bwd32x128 | f4k-safe
 #             4 k compiled with FlexAttention kernel_options (torch's H200 defaults for head_dim 64,
 #             bf16: fwd 128x128, 3 stages, 4 warps; bwd 64/128/128/64, 3 stages, 8 warps):
@@ -41,6 +43,7 @@ for RUN in ${RUNS:-c4k c1k c16k c32kac}; do
     c32kac) L=32768; EXTRA="$COMPILED --activation-checkpointing" ;;
     e4k)    L=4096;  EXTRA="--logprob-chunk ${CHUNK:-4096}" ;;
     c4k512) L=4096;  EXTRA="--compile" ;;
+    c4kone) L=4096;  EXTRA="--compile --logprob-chunk 32768" ;;
     f4k-fwd128x64) L=4096; EXTRA="$COMPILED --flex-options fwd_BLOCK_M=128,fwd_BLOCK_N=64" ;;
     f4k-fwd64x128) L=4096; EXTRA="$COMPILED --flex-options fwd_BLOCK_M=64,fwd_BLOCK_N=128" ;;
     f4k-bwd64)     L=4096; EXTRA="$COMPILED --flex-options bwd_BLOCK_M1=64,bwd_BLOCK_N1=64,bwd_BLOCK_M2=64,bwd_BLOCK_N2=64,bwd_num_warps=4" ;;
@@ -70,7 +73,7 @@ if res:
     open(full, "w").write(json.dumps(res, indent=1))
 res = res.get("packed", res)
 keep = ("step_s", "tokens_per_s", "tflops", "mfu_vs_peak", "peak_cuda_GiB", "attention", "flex_options",
-        "logprob_chunk_tokens", "microbatches_per_step")
+        "logprob_chunk_tokens", "microbatches_per_step", "prepare_s")
 out = {"run": run, "seq": L, "rc": rc, "wall_s": wall, **{k: res[k] for k in keep if k in res}}
 prof = res.get("profile") or {}
 if prof:
