@@ -153,7 +153,9 @@ class LocalExperts(nn.Module):
         if self.grad_scale != 1.0:
             gu, dn = _ScaleGrad.apply(gu, self.grad_scale), _ScaleGrad.apply(dn, self.grad_scale)
         x = x.to(gu.dtype)  # a no-op unless FSDP's param_dtype differs from the activations
-        if self.impl == "grouped_mm" and x.is_cuda:
+        # grouped_mm on CPU too when asked for explicitly (``auto`` picks the loop there): it
+        # needs 16-byte-aligned rows, and it is how the CPU tests compile the GPU's layer graph
+        if self.impl == "grouped_mm":
             gmm = getattr(F, "grouped_mm", None) or torch._grouped_mm
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             h = gmm(x, gu.transpose(-2, -1), offs=offs)
