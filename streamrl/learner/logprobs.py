@@ -12,8 +12,8 @@ chosen token's log-prob (and the entropy) is needed. So:
    forward keeps no ``[n, V]`` tensor, the backward recomputes each chunk's logits and forms
    the gradient ``(onehot - p) * g_logp - p * (log p + H) * g_H`` directly. When all ``n``
    rows fit in one chunk, that chunk's logits (the ``[chunk, V]`` temporary the bound allows
-   anyway) are kept for the backward instead: the recompute is one of the head's four
-   matmuls, ~6 % of a SmolLM2 shared-prompt step on CPU.
+   anyway, in the weight dtype: bf16 for a bf16 model) are kept for the backward instead: the
+   recompute is one of the head's four matmuls, ~6 % of a SmolLM2 shared-prompt step on CPU.
 3. With ``learner.compile`` each chunk's elementwise work is ``torch.compile``d: the forward
    is one matmul plus one reduction kernel over its output, the backward one matmul (the
    recompute), one elementwise kernel writing the logits' gradient in the weight dtype, and the
