@@ -265,9 +265,9 @@ def build_microbatch(view: TrajectoryView, units: list[list[int]], shared: bool,
             n += r + 1
     input_ids = torch.cat(ids).long()[None]
     position_ids = torch.cat(pos).long()[None]
-    runs = torch.tensor(run_len, dtype=torch.int64)
-    seg_ids = torch.tensor(seg, dtype=torch.int64).repeat_interleave(runs)
-    unit_ids = torch.tensor(unit_of, dtype=torch.int64).repeat_interleave(runs)
+    run_of_token = torch.repeat_interleave(torch.tensor(run_len, dtype=torch.int64))  # [N]
+    seg_ids = torch.tensor(seg, dtype=torch.int64)[run_of_token]
+    unit_ids = torch.tensor(unit_of, dtype=torch.int64)[run_of_token]
     mask = None
     if dense_mask and shared and any(len(u) > 1 for u in units):
         mask = dense_packed_mask(seg_ids, unit_ids)
@@ -280,7 +280,7 @@ def build_microbatch(view: TrajectoryView, units: list[list[int]], shared: bool,
         for start, i in replay_at:
             r = view.r_lens[i]
             replay[start : start + r] = view.routed_ids(i).long()
-    tw = torch.tensor(weight, dtype=torch.float32).repeat_interleave(runs) * (0.0 if dummy else 1.0)
+    tw = torch.tensor(weight, dtype=torch.float32)[run_of_token] * (0.0 if dummy else 1.0)
     cat = lambda xs, dt=torch.int64: torch.cat(xs).to(dt) if xs else torch.zeros(0, dtype=dt)  # noqa: E731
     return MicroBatch(input_ids, position_ids, mask, cat(select), cat(targets), cat(g_row), cat(g_col), tw,
                       replay, rows, seg_ids, unit_ids, dummy)
