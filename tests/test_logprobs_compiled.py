@@ -14,15 +14,14 @@ from streamrl.learner.logprobs import token_logprobs_chunked
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
-def _run(dtype, temperature, chunk, bias, compiled, n=13, seed=0):
+def _run(dtype, temperature, chunk, bias, compiled, n=13, seed=0, h=16, v=96, device="cpu"):
     """(logp, entropy, grad hidden, grad weight, grad bias) of g1 . logp + g2 . entropy."""
     g = torch.Generator().manual_seed(seed)
-    h, v = 16, 96
-    hid = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(v, h, generator=g) * 0.5).to(dtype).requires_grad_()
-    b = torch.randn(v, generator=g).to(dtype).requires_grad_() if bias else None
-    tgt = torch.randint(0, v, (n,), generator=g)
-    c1, c2 = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    hid = torch.randn(n, h, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(v, h, generator=g) * 0.5).to(device, dtype).requires_grad_()
+    b = torch.randn(v, generator=g).to(device, dtype).requires_grad_() if bias else None
+    tgt = torch.randint(0, v, (n,), generator=g).to(device)
+    c1, c2 = torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)
     lp, ent = token_logprobs_chunked(hid, w, tgt, temperature, chunk, with_entropy=True, bias=b, compiled=compiled)
     ((lp * c1).sum() + (ent * c2).sum()).backward()
     return [lp, ent, hid.grad, w.grad] + ([b.grad] if bias else [])
@@ -53,3 +52,14 @@ def test_compiled_chunks_take_any_row_count_without_recompiling():
     assert before > 0  # the compiled path did compile
     _run(torch.float32, 0.9, 5, False, compiled=True, n=19, seed=1)
     assert counters["stats"]["unique_graphs"] == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_chunks_equal_eager_on_gpu():
+    """The bench's shape class on the GPU: bf16 head, 32k vocab, chunks of 1,024 rows (Triton kernels)."""
+    kw = dict(n=2500, h=256, v=32000, device="cuda")
+    eager = _run(torch.bfloat16, 1.0, 1024, False, compiled=False, **kw)
+    comp = _run(torch.bfloat16, 1.0, 1024, False, compiled=True, **kw)
+    for name, a, e in zip(("logp", "entropy", "grad_hidden", "grad_weight"), comp, eager):
+        torch.testing.assert_close(a.float(), e.float(), atol=2e-2, rtol=2e-2, msg=name)
