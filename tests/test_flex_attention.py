@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from streamrl.config import ConfigError, load_config
-from streamrl.learner.attention import dense_packed_mask, packed_block_mask, resolve_attention
+from streamrl.learner import attention
+from streamrl.learner.attention import (dense_packed_mask, packed_block_mask, parse_flex_options, resolve_attention,
+                                         set_flex_kernel_options)
 from streamrl.learner.packing import TrajectoryView, build_microbatch, plan_microbatches
 from streamrl.learner.trainer import Trainer, one_causal_sequence
 
@@ -86,6 +88,41 @@ def test_single_sequence_rows_skip_the_block_mask():
     with torch.no_grad():
         for mr, mf in zip(micro_r, micro_f):
             assert torch.allclose(flex._run(flex.model, mf, width)[0], ref._run(ref.model, mr, width)[0], atol=2e-5)
+
+
+def test_flex_kernel_options(monkeypatch):
+    """The bench's ``--flex-options``: parsed strictly, passed to every flex call as ``kernel_options``."""
+    opts = parse_flex_options("fwd_BLOCK_M=64, fwd_BLOCK_N=128,bwd_BLOCK_M1=32,ROWS_GUARANTEED_SAFE=true")
+    assert opts == {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "bwd_BLOCK_M1": 32, "ROWS_GUARANTEED_SAFE": True}
+    assert parse_flex_options("") == {}
+    for bad in ("BLOCK_Q=64", "fwd_BLOCK_M", "BLOCK_M=-1", "num_warps=four"):
+        with pytest.raises(ValueError, match="flex kernel option"):
+            parse_flex_options(bad)
+    from streamrl.bench.learner import main as bench_learner
+
+    assert bench_learner(["--synthetic-moe", "--flex-options", "BLOCK_Q=64"]) == 2  # refused before any work
+    seen, real = [], attention._eager_flex()
+
+    def recording_flex(*args, **kwargs):
+        seen.append(kwargs["kernel_options"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_eager_flex", lambda: recording_flex)
+    batch = group_batch(3)
+    tr = _trainer(["learner.max_tokens_per_microbatch=40", "learner.attention=flex"])
+    mb = tr._prepare(batch)[3][0][0][0]
+    assert mb.attention_mask is not None  # a BlockMask row
+    width = int(batch["response_lens"].max())
+    try:
+        with torch.no_grad():
+            set_flex_kernel_options({"fwd_BLOCK_M": 64})
+            with_opts = tr._run(tr.model, mb, width)[0]
+            set_flex_kernel_options({})
+            plain = tr._run(tr.model, mb, width)[0]
+    finally:
+        set_flex_kernel_options({})
+    assert seen and seen[0] == {"fwd_BLOCK_M": 64} and seen[-1] is None
+    assert torch.equal(with_opts, plain)
 
 
 def test_attention_setting():

@@ -69,6 +69,11 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=0, help="random prompts of this length (0: chat arithmetic)")
     p.add_argument("--peak", type=float, default=790.0, help="bf16 peak TFLOP/s per device for mfu")
     p.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex"), help="learner.attention")
+    p.add_argument("--flex-options", default="",
+                   help="FlexAttention kernel_options to sweep, e.g. fwd_BLOCK_M=64,fwd_BLOCK_N=128,bwd_BLOCK_M1=64 "
+                        "(names: streamrl.learner.attention.FLEX_OPTION_NAMES; empty: torch's choice)")
+    p.add_argument("--logprob-chunk", type=int, default=0,
+                   help="learner.logprob_chunk_tokens (rows per LM-head chunk); 0 keeps the config's")
     p.add_argument("--profile", type=int, default=0,
                    help="after the timed steps, profile this many steps: top-25 kernel table into --profile-out, "
                         "kernel families and top kernels into the JSON")
@@ -92,6 +97,7 @@ def make_config(args, impl: str):
         f"learner.shared_prompt={'true' if impl == 'shared' else 'false'}",
         # A bench batch of groups of one has no GRPO signal: the step must still run in full.
         "learner.skip_no_signal=false",
+        *([f"learner.logprob_chunk_tokens={args.logprob_chunk}"] if args.logprob_chunk else []),
     ])
 
 
@@ -124,12 +130,14 @@ def run_child(args) -> int:
     """One implementation: warm-up gradient pass (saved for comparison), log-probs, timed steps."""
     import torch
     from safetensors.torch import load_file, save_file
+    from streamrl.learner.attention import parse_flex_options, set_flex_kernel_options
     from streamrl.learner.packing import response_grid
     from streamrl.learner.padded_reference import padded_step
     from streamrl.learner.trainer import Trainer
     from streamrl.trajectory import to_padded
 
     torch.set_num_threads(args.threads)
+    set_flex_kernel_options(parse_flex_options(args.flex_options))  # before the first compiled forward
     impl, work = args.child, Path(args.workdir)
     if args.device.startswith("cuda"):
         torch.cuda.set_device(0)
@@ -182,7 +190,15 @@ def run_child(args) -> int:
     if args.synthetic_moe:
         res.update(_flops(args, tr, float(pad["attention_mask"].sum()) / step_s))
     res["attention"] = tr.attention
+    res["flex_options"] = args.flex_options
+    res["logprob_chunk_tokens"] = tr.cfg.learner.logprob_chunk_tokens
+    # The host part of the step before its first kernel (grid, advantages, packing, H2D copies,
+    # block masks): on the GPU it is part of the wall-vs-device gap
+    sync()
+    t1 = time.perf_counter()
     res["microbatches_per_step"] = len(tr._prepare(batch)[3][0][0])
+    sync()
+    res["prepare_s"] = time.perf_counter() - t1
     if args.profile:
         from streamrl.bench.learner_step import profile_breakdown
 
@@ -265,6 +281,13 @@ def main(argv=None) -> int:
     if bad:
         print(f"streamrl-bench learner: --impl {args.impl!r}: unknown {bad}; known: all, {', '.join(IMPLS)}",
               file=sys.stderr)
+        return 2
+    try:
+        from streamrl.learner.attention import parse_flex_options
+
+        parse_flex_options(args.flex_options)
+    except ValueError as e:
+        print(f"streamrl-bench learner: --flex-options: {e}", file=sys.stderr)
         return 2
     res: dict = {"model": args.model, "groups": args.groups, "group_size": args.group_size,
                  "response_len": args.response_len, "threads": args.threads, "budget": args.budget,

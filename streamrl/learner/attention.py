@@ -39,6 +39,43 @@ def resolve_attention(setting: str, device_type: str) -> str:
     return setting
 
 
+# FlexAttention's Triton tile knobs (torch's ``FlexKernelOptions``); each may carry a ``fwd_`` or
+# ``bwd_`` prefix to apply to one pass only. Empty: torch's own choice per shape and GPU.
+FLEX_OPTION_NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps",
+                     "num_stages", "ROWS_GUARANTEED_SAFE", "WRITE_DQ", "USE_TMA")
+_flex_kernel_options: dict[str, int | bool] = {}
+
+
+def parse_flex_options(spec: str) -> dict[str, int | bool]:
+    """``"fwd_BLOCK_M=64,fwd_BLOCK_N=128,bwd_BLOCK_M1=64"`` -> the ``kernel_options`` dict.
+
+    Values are ints or ``true``/``false``; names are :data:`FLEX_OPTION_NAMES`, optionally
+    prefixed ``fwd_``/``bwd_``. Raises ValueError naming the first bad item.
+    """
+    out: dict[str, int | bool] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, eq, value = item.partition("=")
+        base = name.removeprefix("fwd_").removeprefix("bwd_")
+        if not eq or base not in FLEX_OPTION_NAMES:
+            raise ValueError(f"flex kernel option {item!r}: expected NAME=VALUE with NAME one of {FLEX_OPTION_NAMES}, "
+                             "optionally prefixed fwd_ or bwd_")
+        if value.lower() in ("true", "false"):
+            out[name] = value.lower() == "true"
+        elif value.isdigit() and int(value) > 0:
+            out[name] = int(value)
+        else:
+            raise ValueError(f"flex kernel option {item!r}: the value must be a positive integer, true or false")
+    return out
+
+
+def set_flex_kernel_options(options: dict[str, int | bool]) -> None:
+    """Use ``options`` as FlexAttention's ``kernel_options`` from now on (the learner bench's
+    ``--flex-options`` sweep). Set it before the first compiled forward: compiled layers bake
+    the options into their kernels."""
+    _flex_kernel_options.clear()
+    _flex_kernel_options.update(options)
+
+
 @functools.cache
 def _compiled_flex():
     """FlexAttention compiled once per process (the fused kernel; eager runs the dense math)."""
@@ -62,7 +99,8 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                          "use learner.attention = sdpa")
     # inside a compiled layer (learner.compile) dynamo traces flex_attention itself
     flex = _eager_flex() if torch.compiler.is_compiling() or not query.is_cuda else _compiled_flex()
-    out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+               kernel_options=dict(_flex_kernel_options) or None)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -60,7 +60,9 @@ def clip_grad_norm_on_device(params, max_norm: float, group=None) -> torch.Tenso
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     if not local:
         return torch.zeros((), dtype=torch.float64)
-    sq = torch.stack([n.double() ** 2 for n in torch._foreach_norm([x.detach().float() for x in local])]).sum()
+    # fp32 (fp64) accumulation inside the kernel, no fp32 copy of bf16 gradients; squares summed in fp64
+    acc = torch.float64 if any(x.dtype == torch.float64 for x in local) else torch.float32
+    sq = torch.stack(torch._foreach_norm([x.detach() for x in local], 2, dtype=acc)).double().pow(2).sum()
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
     norm = sq.sqrt()
@@ -307,7 +309,7 @@ class Trainer:
         policy = model is self.model
         values = values and self.critic and policy
         req = HeadRequest(mb.targets, self.cfg.rollout.temperature, lc.logprob_chunk_tokens,
-                          entropy, value_head(model) if values else None)
+                          entropy, value_head(model) if values else None, compiled=lc.compile)
         for i, b in enumerate(self.blocks if policy else []):
             b.replay = None if mb.replay is None else mb.replay[:, i]
         mask = mb.attention_mask

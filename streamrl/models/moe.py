@@ -152,8 +152,10 @@ class LocalExperts(nn.Module):
         gu, dn = self.gate_up_proj, self.down_proj
         if self.grad_scale != 1.0:
             gu, dn = _ScaleGrad.apply(gu, self.grad_scale), _ScaleGrad.apply(dn, self.grad_scale)
-        x = x.to(gu.dtype)
-        if self.impl == "grouped_mm" and x.is_cuda:
+        x = x.to(gu.dtype)  # a no-op unless FSDP's param_dtype differs from the activations
+        # grouped_mm on CPU too when asked for explicitly (``auto`` picks the loop there): it
+        # needs 16-byte-aligned rows, and it is how the CPU tests compile the GPU's layer graph
+        if self.impl == "grouped_mm":
             gmm = getattr(F, "grouped_mm", None) or torch._grouped_mm
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             h = gmm(x, gu.transpose(-2, -1), offs=offs)
@@ -207,6 +209,8 @@ class EPMoEBlock(nn.Module):
         bias = getattr(self.gate, "e_score_correction_bias", None) if r.choice_bias else None
         w, idx = route_spec(logits, r, self.replay, deterministic=not self.training, choice_bias=bias)
         y = self._dispatch_combine(x, idx)  # [N, k, H]
+        # the fp32 routing weights rounded to the activations' dtype before the product, as the
+        # HF blocks do (exactness against them); compiled, both casts fuse into the product
         out = (y * w.unsqueeze(-1).to(y.dtype)).sum(1).to(hidden.dtype)
         if "shared_expert" in self.shared:
             s = self.shared_expert(x)

@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
-# The MoE learner step on one H200 in ONE device call (< 8 min): where the compiled step stands.
+# The MoE learner step on one H200 in ONE device call (<= 9 min): where the compiled step stands.
 #   streamrl-bench learner --synthetic-moe (1.31 B Qwen3-MoE shape, bf16, Trainer.step with one
-#   packed micro-batch of 32k tokens per step, FlexAttention block masks, experts grouped_mm),
-#   at these runs, in this order (cheapest first; the model is built once into /tmp/moe131):
-#     c1k    1 k tokens per sequence (32 x 1k), learner.compile
-#     c4k    4 k (8 x 4k), learner.compile, then --profile 2: kernel table in $OUT/profile-c4k.txt,
-#            kernel families (ms) in the JSON
-#     e4k    4 k eager (what compile buys)
-#     c32kac 32 k (1 x 32k), learner.compile + activation checkpointing (fits one H200?)
-# Output: one JSON line per run on stdout and in $OUT/learner_moe.jsonl; full logs $OUT/lm-*.log.
-# Env: RUNS (default "c1k c4k e4k c32kac"), STEPS (3), BUDGET (32768 tokens per micro-batch),
-#      ATTN (flex), TOTAL_S (450: the whole script's budget; each run gets what is left, at most
-#      RUN_S=200 seconds).
+#   packed micro-batch of 32k tokens per step, FlexAttention block masks, experts grouped_mm,
+#   the LM head's log-probs in chunks of CHUNK rows, compiled with learner.compile), these runs in
+#   this order (the model is built once into /tmp/moe131 by the first):
+#     c4k     4 k tokens per sequence (8 x 4k), learner.compile, then --profile 2: kernel table in
+#             $OUT/profile-c4k.txt, kernel families (ms) in the JSON
+#     c1k     1 k (32 x 1k), learner.compile
+#     c16k    16 k (2 x 16k), learner.compile
+#     c32kac  32 k (1 x 32k), learner.compile + activation checkpointing (fits one H200?)
+#   and on request (RUNS=...):
+#     e4k     4 k eager (what compile buys)
+#     c4k512  4 k compiled with the config's 512-row log-prob chunks (what CHUNK buys)
+#     c4kone  4 k compiled, all 32k log-prob rows in one chunk: its bf16 logits (2 GiB) are kept
+#             for the backward instead of recomputed (one LM-head matmul less)
+#     f4k-fwd128x64 | f4k-fwd64x128 | f4k-bwd64 | f4k-bwd32x128 | f4k-safe
+#             4 k compiled with FlexAttention kernel_options (torch's H200 defaults for head_dim 64,
+#             bf16: fwd 128x128, 3 stages, 4 warps; bwd 64/128/128/64, 3 stages, 8 warps):
+#               fwd128x64  fwd_BLOCK_M=128,fwd_BLOCK_N=64
+#               fwd64x128  fwd_BLOCK_M=64,fwd_BLOCK_N=128
+#               bwd64      bwd_BLOCK_M1=64,bwd_BLOCK_N1=64,bwd_BLOCK_M2=64,bwd_BLOCK_N2=64,bwd_num_warps=4
+#               bwd32x128  bwd_BLOCK_M1=32,bwd_BLOCK_N1=128,bwd_BLOCK_M2=128,bwd_BLOCK_N2=32,bwd_num_warps=4
+#               safe       ROWS_GUARANTEED_SAFE=true (every packed query sees at least itself)
+# Output: one JSON line per run on stdout and in $OUT/learner_moe.jsonl, each run's full bench JSON
+# in $OUT/lm-<run>.json, full logs in $OUT/lm-<run>.log.
+# Env: RUNS (default "c4k c1k c16k c32kac"), STEPS (3), BUDGET (32768 tokens per micro-batch),
+#      CHUNK (4096 log-prob rows per LM-head chunk), ATTN (flex), TOTAL_S (530: the whole script's
+#      budget; each run gets what is left, at most RUN_S=200 seconds).
 # Run on the device machine from the repo root: bash tools/gpu/learner_moe.sh
 set -uo pipefail
 source tools/gpu/env.sh || exit 1
@@ -19,15 +34,24 @@ MODEL=/tmp/moe131
 STEPS=${STEPS:-3}
 BUDGET=${BUDGET:-32768}
 START=$(date +%s)
-for RUN in ${RUNS:-c1k c4k e4k c32kac}; do
+for RUN in ${RUNS:-c4k c1k c16k c32kac}; do
+  COMPILED="--compile --logprob-chunk ${CHUNK:-4096}"
   case $RUN in
-    c1k)    L=1024;  EXTRA="--compile" ;;
-    c4k)    L=4096;  EXTRA="--compile --profile 2 --profile-out $OUT/profile-c4k.txt" ;;
-    e4k)    L=4096;  EXTRA="" ;;
-    c32kac) L=32768; EXTRA="--compile --activation-checkpointing" ;;
+    c4k)    L=4096;  EXTRA="$COMPILED --profile 2 --profile-out $OUT/profile-c4k.txt" ;;
+    c1k)    L=1024;  EXTRA="$COMPILED" ;;
+    c16k)   L=16384; EXTRA="$COMPILED" ;;
+    c32kac) L=32768; EXTRA="$COMPILED --activation-checkpointing" ;;
+    e4k)    L=4096;  EXTRA="--logprob-chunk ${CHUNK:-4096}" ;;
+    c4k512) L=4096;  EXTRA="--compile" ;;
+    c4kone) L=4096;  EXTRA="--compile --logprob-chunk 32768" ;;
+    f4k-fwd128x64) L=4096; EXTRA="$COMPILED --flex-options fwd_BLOCK_M=128,fwd_BLOCK_N=64" ;;
+    f4k-fwd64x128) L=4096; EXTRA="$COMPILED --flex-options fwd_BLOCK_M=64,fwd_BLOCK_N=128" ;;
+    f4k-bwd64)     L=4096; EXTRA="$COMPILED --flex-options bwd_BLOCK_M1=64,bwd_BLOCK_N1=64,bwd_BLOCK_M2=64,bwd_BLOCK_N2=64,bwd_num_warps=4" ;;
+    f4k-bwd32x128) L=4096; EXTRA="$COMPILED --flex-options bwd_BLOCK_M1=32,bwd_BLOCK_N1=128,bwd_BLOCK_M2=128,bwd_BLOCK_N2=32,bwd_num_warps=4" ;;
+    f4k-safe)      L=4096; EXTRA="$COMPILED --flex-options ROWS_GUARANTEED_SAFE=true" ;;
     *) echo "unknown run $RUN" >&2; continue ;;
   esac
-  LEFT=$(( ${TOTAL_S:-450} - ($(date +%s) - START) ))
+  LEFT=$(( ${TOTAL_S:-530} - ($(date +%s) - START) ))
   LIMIT=$(( LEFT < ${RUN_S:-200} ? LEFT : ${RUN_S:-200} ))
   if [ "$LIMIT" -lt 30 ]; then echo "{\"run\": \"$RUN\", \"error\": \"skipped: TOTAL_S spent\"}" | tee -a "$OUT/learner_moe.jsonl"; continue; fi
   T0=$(date +%s)
@@ -36,17 +60,20 @@ for RUN in ${RUNS:-c1k c4k e4k c32kac}; do
     --response-len $((L - 64)) --budget "$BUDGET" --attention "${ATTN:-flex}" --steps "$STEPS" --threads 8 \
     $EXTRA --json > "$OUT/lm-$RUN.log" 2>&1
   RC=$?
-  python3 - "$RUN" "$L" "$RC" "$(( $(date +%s) - T0 ))" "$OUT/lm-$RUN.log" <<'PY' | tee -a "$OUT/learner_moe.jsonl"
+  python3 - "$RUN" "$L" "$RC" "$(( $(date +%s) - T0 ))" "$OUT/lm-$RUN.log" "$OUT/lm-$RUN.json" <<'PY' | tee -a "$OUT/learner_moe.jsonl"
 import json, sys
-run, L, rc, wall, log = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+run, L, rc, wall, log, full = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
 text = open(log).read()
 lines = [l for l in text.splitlines() if l.startswith("{")]
 try:
     res = json.loads(lines[-1]) if lines else {}
 except ValueError:
     res = {}
+if res:
+    open(full, "w").write(json.dumps(res, indent=1))
 res = res.get("packed", res)
-keep = ("step_s", "tokens_per_s", "tflops", "mfu_vs_peak", "peak_cuda_GiB", "attention", "microbatches_per_step")
+keep = ("step_s", "tokens_per_s", "tflops", "mfu_vs_peak", "peak_cuda_GiB", "attention", "flex_options",
+        "logprob_chunk_tokens", "microbatches_per_step", "prepare_s")
 out = {"run": run, "seq": L, "rc": rc, "wall_s": wall, **{k: res[k] for k in keep if k in res}}
 prof = res.get("profile") or {}
 if prof:
