@@ -329,7 +329,7 @@ class LearnerConfig:
     ep: int = 1
     """Expert-parallel degree: experts split over this many ranks (must divide world size and experts)."""
     experts_impl: str = "auto"
-    """Expert MLP kernel: auto (grouped_mm on CUDA, loop on CPU), grouped_mm, loop."""
+    """Expert MLP kernel: auto (grouped_mm on CUDA, loop on CPU), grouped_mm (also on CPU: bf16 only there), loop."""
     mixed_precision: bool = True
     """On CUDA: bf16 parameters in forward/backward with fp32 gradient reduction (FSDP2)."""
     router_freeze_steps: int = 0
@@ -343,7 +343,8 @@ class LearnerConfig:
     routing_replay: bool = False
     """Replay the rollout's routed experts (R3) when trajectories carry routed_experts."""
     compile: bool = False
-    """torch.compile each decoder layer (1.37x learner-step tokens/s on an H200; slow to warm up on CPU)."""
+    """torch.compile each decoder layer, the final norm and the log-prob head's chunk kernels (1.37x learner-step
+    tokens/s on an H200 before the head was compiled; slow to warm up on CPU)."""
     value_coef: float = 0.5
     """loss = vtrace: weight of the critic's value loss in the total loss."""
     gamma: float = 1.0
