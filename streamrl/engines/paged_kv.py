@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from streamrl.engines.host_io import to_device
+
 
 def pool_blocks(pool_bytes: int, layers: int, kv_heads: int, head_dim: int, element_size: int,
                 block_size: int) -> int:
@@ -100,8 +102,7 @@ class PagedKVCache:
         """Apply ``(slot, index, block)`` edits to the device table in one indexed write."""
         if edits:
             s, m, b = zip(*edits)
-            self.table[torch.tensor(s, device=self.device), torch.tensor(m, device=self.device)] = \
-                torch.tensor(b, device=self.device)
+            self.table[to_device(s, self.device), to_device(m, self.device)] = to_device(b, self.device)
 
     def grow(self, slots: list[int], lengths: list[int]) -> list[int]:
         """Give each slot blocks for positions ``0..lengths[i]-1``; returns the slots the pool could not serve."""
@@ -127,7 +128,7 @@ class PagedKVCache:
                     self._free.append(b)
             self.slot_blocks[s] = []
         if slots:
-            self.table[torch.tensor(slots, device=self.device)] = 0
+            self.table[to_device(slots, self.device)] = 0
 
     def detach(self, slot: int, length: int) -> list[int]:
         """Take slot ``slot``'s blocks covering positions ``0..length-1`` out of the slot (a kept
@@ -196,7 +197,7 @@ class PagedKVCache:
                 self.slot_blocks[d].append(b)
         self._write_table(edits)
         if copy_to:
-            fr, to = torch.tensor(copy_from, device=self.device), torch.tensor(copy_to, device=self.device)
+            fr, to = to_device(copy_from, self.device), to_device(copy_to, self.device)
             for k, v in zip(self.k, self.v):
                 k[to] = k[fr]
                 v[to] = v[fr]

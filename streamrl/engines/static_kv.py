@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from streamrl.engines.host_io import to_device
+
 ATTN = "streamrl_static_kv"
 """Name of the attention kernel registered with transformers (selected inside the engine only)."""
 
@@ -100,7 +102,7 @@ class StaticKVCache:
         """Copy positions ``0..lengths[i]-1`` of slot ``src[i]`` into slot ``dst[i]`` (a shared prefix)."""
         dev = self.k[0].device
         n = max(lengths)
-        fr, to = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        fr, to = to_device(src, dev), to_device(dst, dev)
         for k, v in zip(self.k, self.v):
             k[to, :, :n] = k[fr, :, :n]
             v[to, :, :n] = v[fr, :, :n]
