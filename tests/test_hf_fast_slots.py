@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from streamrl.engines.host_io import to_device
@@ -77,3 +78,43 @@ def test_to_device_copies_values():
     assert to_device([0.5], cpu, torch.float32).dtype == torch.float32
     src = torch.arange(4)
     assert torch.equal(to_device(src, cpu), src)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv", ["static", "paged"])
+def test_gpu_decode_steps_between_syncs_never_wait_for_the_device(monkeypatch, kv):
+    """Outside the loop's syncs (done read, harvest, refill) no step waits for the GPU: torch's sync
+    debug mode raises on any synchronizing call there. Paged blocks of 4 positions make the loop edit
+    block tables between replays."""
+    from streamrl.config import ModelConfig
+    from streamrl.engines.decode_loop import DecodeLoop
+    from streamrl.engines.hf_fast import FastHFEngine
+    from streamrl.models import build_model
+
+    model, tok = build_model(ModelConfig(), seed=1)
+    eng = FastHFEngine(model, tok, device="cuda", batch_size=4, max_seq_len=48, span_bucket=16, sync_every=8,
+                       kv_cache=kv, block_size=4, eos_token_id=model.config.vocab_size)  # no EOS: fixed spans
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (3, 5, 7, 9, 4, 6)]
+    eng.generate(prompts, 30, 1.0)  # captures every span's graph (capturing syncs)
+
+    def allowed(fn):
+        def run(self, *a):
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("default")
+            try:
+                return fn(self, *a)
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+        return run
+
+    monkeypatch.setattr(DecodeLoop, "_sync", allowed(DecodeLoop._sync))
+    monkeypatch.setattr(DecodeLoop, "_fill", allowed(DecodeLoop._fill))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = eng.generate(prompts, 30, 1.0, between_steps=lambda: None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert eng.captures and all(len(t) == 30 for t in out.tokens)
+    assert [len(v) for v in out.versions] == [len(t) for t in out.tokens]
