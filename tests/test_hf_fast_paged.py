@@ -139,3 +139,20 @@ def test_bench_reports_kv_memory():
     assert res["kv_cache"] == "paged" and res["preemptions"] == 0
     assert res["fast_tokens"] < 4 * 12  # caps spread over 1..12
     assert 0 < res["kv_used_gib"] < res["kv_pool_gib"] and res["kv_static_gib"] > 0
+
+
+@pytest.mark.slow
+def test_paged_flex_attention_equals_gather(tiny):
+    """FlexAttention reading the pool in place through the block table gives the gathering decode's
+    tokens and log-probs: refills, shared prompt blocks, blocks of 4 crossed mid-response."""
+    model, tok = tiny
+    prompts = _prompts(5) + [_prompts(1, seed=3)[0]] * 3
+    out = {}
+    for attention in ("gather", "flex"):
+        eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, sync_every=3, kv_cache="paged", block_size=4,
+                           paged_attention=attention)
+        out[attention] = eng.generate(prompts, NEW, temperature=0.0)
+        assert eng.cache.free_blocks == eng.cache.num_blocks - 1
+    _same(out["gather"], out["flex"])
+    with pytest.raises(ValueError, match="paged_attention"):
+        FastHFEngine(model, tok, batch_size=2, max_seq_len=32, paged_attention="flex")  # static cache

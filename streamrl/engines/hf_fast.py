@@ -88,6 +88,9 @@ class FastHFEngine:
             :mod:`streamrl.engines.paged_kv`).
         block_size: positions per block of the paged cache (``span_bucket`` must be a multiple).
         kv_blocks: blocks of the paged pool (default: as many positions as the static cache).
+        paged_attention: how the paged decode step reads the pool: "gather" (each slot's blocks
+            copied into a contiguous ``[B, Hkv, span, D]`` per layer, then SDPA) or "flex"
+            (FlexAttention over the pool in place, always compiled; :mod:`streamrl.engines.paged_flex`).
         experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
             ``grouped_mm`` on CUDA in bf16/fp16, ``batched_mm`` on CUDA in fp32 (torch's grouped
             GEMM is bf16-only there and its fallback syncs), the model's own setting on CPU.
@@ -100,13 +103,16 @@ class FastHFEngine:
                  record_routing: bool = False, cuda_graphs: bool | None = None, span_bucket: int = 128,
                  sync_every: int = 8, experts_implementation: str | None = "auto",
                  eos_token_id: int | None = None, compile: bool | None = None, share_prompts: bool = True,
-                 kv_cache: str = "static", block_size: int = 16, kv_blocks: int | None = None):
+                 kv_cache: str = "static", block_size: int = 16, kv_blocks: int | None = None,
+                 paged_attention: str = "gather"):
         if kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache = {kv_cache!r}: must be one of {KV_CACHES}")
         for field, value, ok in (("batch_size", batch_size, batch_size > 0), ("top_k", top_k, top_k >= 0),
                                  ("top_p", top_p, 0.0 < top_p <= 1.0), ("span_bucket", span_bucket, span_bucket > 0),
                                  ("sync_every", sync_every, sync_every > 0), ("block_size", block_size, block_size > 0),
-                                 ("span_bucket", span_bucket, kv_cache == "static" or span_bucket % block_size == 0)):
+                                 ("span_bucket", span_bucket, kv_cache == "static" or span_bucket % block_size == 0),
+                                 ("paged_attention", paged_attention, paged_attention == "gather" or (
+                                     paged_attention == "flex" and kv_cache == "paged"))):
             if not ok:
                 raise ValueError(f"{field} = {value!r} is out of range")
         self.device = torch.device(device)
@@ -141,7 +147,7 @@ class FastHFEngine:
         self.paged = kv_cache == "paged"
         if self.paged:
             self.cache = PagedKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev,
-                                      block_size=block_size, num_blocks=kv_blocks)
+                                      block_size=block_size, num_blocks=kv_blocks, attention=paged_attention)
         else:
             self.cache = StaticKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev)
         self.preemptions = 0  # paged: sequences restarted because the pool ran out
@@ -293,9 +299,12 @@ class FastHFEngine:
             self._route_at = (self.rows, self.pos)
         pos_ids = self.pos[:, None]
         x = self.embed(self.tok[:, None])
-        # Additive mask built once per step (a bool mask is converted again in every layer).
-        allowed = (self.positions[:span][None, :] <= pos_ids)[:, None, None, :]  # [B, 1, 1, span]
-        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
+        if self.paged and self.cache.attention == "flex":  # the pool read in place through the table
+            mask = self.cache.decode_block_mask(self.pos)
+        else:
+            # Additive mask built once per step (a bool mask is converted again in every layer).
+            allowed = (self.positions[:span][None, :] <= pos_ids)[:, None, None, :]  # [B, 1, 1, span]
+            mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
         x = self._layers(x, mask, pos_ids)
         self._route_at = None
         logits = self.lm_head(self.norm(x[:, -1])).float()
