@@ -89,14 +89,16 @@ def test_paged_inputs_validated(tiny):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_paged_graphs_equal_static():
-    """Captured paged decode (gather by block table) gives the static graphs' greedy tokens."""
+@pytest.mark.parametrize("attention", ["gather", "flex"])
+def test_gpu_paged_graphs_equal_static(attention):
+    """Captured paged decode (gather by block table, or FlexAttention over the pool) gives the
+    static graphs' greedy tokens."""
     model, tok = build_model(ModelConfig(), seed=1)
     prompts = _prompts(7)
     out = {}
     for kv in ("static", "paged"):
         eng = FastHFEngine(model, tok, device="cuda", batch_size=3, max_seq_len=40, span_bucket=16,
-                           kv_cache=kv, block_size=8)
+                           kv_cache=kv, block_size=8, paged_attention=attention if kv == "paged" else "gather")
         out[kv] = eng.generate(prompts + [prompts[0]] * 3, NEW, temperature=0.0)
         assert eng.captures > 0
     _same(out["static"], out["paged"], atol=1e-4)

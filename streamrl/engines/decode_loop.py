@@ -59,10 +59,7 @@ class DecodeLoop:
         while t.held:
             if self._grow():
                 self._poll(t.steps + 1)
-                top = t.top_position() + 1
-                # graphs need few fixed shapes; eager steps attend what is written (whole blocks)
-                bucket = eng.span_bucket if eng.graphs_on else eng.cache.span_quantum
-                eng._step(min(-(-top // bucket) * bucket, eng.cache.max_span), self.greedy)
+                eng._step(eng._span(t.top_position() + 1), self.greedy)
                 t.steps += 1
                 eng.decode_steps += 1
             if not t.any_live() or t.steps % eng.sync_every == 0:

@@ -20,7 +20,8 @@ with its own loop:
   parameters by address, so :meth:`load_weights` copies into the same storage and the next
   replay uses the new weights without a re-capture.
 * **Continuous refill**: every ``sync_every`` steps the host reads the ``done`` flags (the only
-  host sync of the loop), harvests finished slots and prefills new prompts into them.
+  host sync of the loop: host-to-device copies go through pinned memory, :mod:`.host_io`),
+  harvests finished slots and prefills new prompts into them.
 * **Shared prompts**: a refill runs each distinct prompt through the model once and copies its
   K/V rows into the slots of the other samples of its group (``share_prompts``).
 * **Per-request caps and stop strings**: ``generate(..., max_tokens=[...], stop=[...])``; caps
@@ -41,7 +42,9 @@ with its own loop:
   tokens; LRU eviction when slots or blocks run short (see :mod:`streamrl.engines.kv_sessions`).
 
 On CPU the same loop runs eagerly; greedy decoding gives the same tokens as ``generate()``.
-The attention kernel, the cache and the sampler live in :mod:`streamrl.engines.static_kv`.
+The attention kernel, the cache and the sampler live in :mod:`streamrl.engines.static_kv`; the
+loop of one ``generate`` call (queue, refills, harvests, preemptions, versions; O(1) Python per
+decode step, no host sync between ``done`` reads) in :mod:`streamrl.engines.decode_loop`.
 """
 from __future__ import annotations
 
@@ -318,6 +321,14 @@ class FastHFEngine:
         self.pos.add_(step)
         self.tok.copy_(torch.where(active, tok, self.tok))
         self.done.logical_or_(active & ((tok == self.eos_id) | (self.gen >= self.max_new)))
+
+    def _span(self, top: int) -> int:
+        """Cache positions a decode step attends when the furthest row writes position ``top - 1``."""
+        if self.paged and self.cache.attention == "flex":  # the block mask bounds each row: one graph
+            return self.cache.max_span
+        # graphs need few fixed shapes; eager steps attend what is written (whole blocks)
+        bucket = self.span_bucket if self.graphs_on else self.cache.span_quantum
+        return min(-(-top // bucket) * bucket, self.cache.max_span)
 
     def _step(self, span: int, greedy: bool) -> None:
         if not self.graphs_on:
