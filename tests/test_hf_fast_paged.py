@@ -89,14 +89,16 @@ def test_paged_inputs_validated(tiny):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_paged_graphs_equal_static():
-    """Captured paged decode (gather by block table) gives the static graphs' greedy tokens."""
+@pytest.mark.parametrize("attention", ["gather", "flex"])
+def test_gpu_paged_graphs_equal_static(attention):
+    """Captured paged decode (gather by block table, or FlexAttention over the pool) gives the
+    static graphs' greedy tokens."""
     model, tok = build_model(ModelConfig(), seed=1)
     prompts = _prompts(7)
     out = {}
     for kv in ("static", "paged"):
         eng = FastHFEngine(model, tok, device="cuda", batch_size=3, max_seq_len=40, span_bucket=16,
-                           kv_cache=kv, block_size=8)
+                           kv_cache=kv, block_size=8, paged_attention=attention if kv == "paged" else "gather")
         out[kv] = eng.generate(prompts + [prompts[0]] * 3, NEW, temperature=0.0)
         assert eng.captures > 0
     _same(out["static"], out["paged"], atol=1e-4)
@@ -139,3 +141,20 @@ def test_bench_reports_kv_memory():
     assert res["kv_cache"] == "paged" and res["preemptions"] == 0
     assert res["fast_tokens"] < 4 * 12  # caps spread over 1..12
     assert 0 < res["kv_used_gib"] < res["kv_pool_gib"] and res["kv_static_gib"] > 0
+
+
+@pytest.mark.slow
+def test_paged_flex_attention_equals_gather(tiny):
+    """FlexAttention reading the pool in place through the block table gives the gathering decode's
+    tokens and log-probs: refills, shared prompt blocks, blocks of 4 crossed mid-response."""
+    model, tok = tiny
+    prompts = _prompts(5) + [_prompts(1, seed=3)[0]] * 3
+    out = {}
+    for attention in ("gather", "flex"):
+        eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, sync_every=3, kv_cache="paged", block_size=4,
+                           paged_attention=attention)
+        out[attention] = eng.generate(prompts, NEW, temperature=0.0)
+        assert eng.cache.free_blocks == eng.cache.num_blocks - 1
+    _same(out["gather"], out["flex"])
+    with pytest.raises(ValueError, match="paged_attention"):
+        FastHFEngine(model, tok, batch_size=2, max_seq_len=32, paged_attention="flex")  # static cache

@@ -117,13 +117,13 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
                            bandwidth_tb_s: float = 4.8, skip_generate: bool = False,
                            compile: bool | None = None, model_path: str | None = None, span_bucket: int = 128,
                            generate_tokens: int | None = None, kv_cache: str = "static", block_size: int = 16,
-                           spread_lengths: bool = False) -> dict:
+                           spread_lengths: bool = False, paged_attention: str = "gather") -> dict:
     """Tokens/s of :class:`FastHFEngine` and of ``model.generate()`` side by side; returns figures.
 
     ``model_path``: an HF folder instead of the random ``preset`` (e.g. SmolLM2); ``generate_tokens``:
     time plain ``generate()`` on this many new tokens only (default ``new_tokens``; it runs ~80 ms
     a step on the GPU, so thousands of steps do not fit a short run), reported as ``generate_new_tokens``.
-    ``kv_cache``/``block_size``: the engine's KV memory (``kv_pool_gib`` allocated, ``kv_used_gib``
+    ``kv_cache``/``block_size``/``paged_attention``: the engine's KV memory (``kv_pool_gib`` allocated, ``kv_used_gib``
     at the peak, ``kv_static_gib`` what the static cache takes for the shape). ``spread_lengths``:
     response caps drawn uniformly from ``1..new_tokens`` per request (real responses end at
     different lengths); the fast path then counts the tokens it drew.
@@ -145,7 +145,7 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
 
     engine = FastHFEngine(model, None, device=device, batch_size=batch, max_seq_len=prompt_len + new_tokens,
                           eos_token_id=no_eos, compile=compile, span_bucket=span_bucket, kv_cache=kv_cache,
-                          block_size=block_size)
+                          block_size=block_size, paged_attention=paged_attention)
     plist = prompts.tolist()
     caps = torch.randint(1, new_tokens + 1, (batch,), generator=gen).tolist() if spread_lengths else None
     t0 = time.perf_counter()
@@ -153,13 +153,21 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
     _sync(device)
     out["fast_warmup_s"] = time.perf_counter() - t0
     engine.cache.peak_blocks = 0
+    steps0, wait0 = engine.decode_steps, engine.sync_wait_s
     t0 = time.perf_counter()
     res = engine.generate(plist, new_tokens, 1.0, max_tokens=caps)
     _sync(device)
     dt = time.perf_counter() - t0
     n_fast = sum(len(t) for t in res.tokens)
+    steps = engine.decode_steps - steps0
+    if device.startswith("cuda"):
+        # The host's own time per decode step (launches, bookkeeping, prefills): the run's wall time
+        # less its waits for the device. Below fast_step_ms the host runs ahead of the GPU.
+        out["host_busy_ms_per_step"] = (dt - (engine.sync_wait_s - wait0)) / steps * 1e3
     out.update(fast_tokens=n_fast, fast_s=dt, fast_tok_s=n_fast / dt, fast_step_ms=dt / new_tokens * 1e3,
+               decode_steps=steps,
                graphs_captured=engine.captures, compiled=engine._compiled, kv_cache=kv_cache,
+               paged_attention=paged_attention if kv_cache == "paged" else None,
                spread_lengths=spread_lengths, **kv_memory(engine))
 
     if not skip_generate:
@@ -268,6 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--generate-tokens", type=int, default=None, help="new tokens of the plain generate() run")
     p.add_argument("--kv-cache", default="static", choices=["static", "paged"], help="KV memory of the engine")
     p.add_argument("--block-size", type=int, default=16, help="positions per block of the paged cache")
+    p.add_argument("--paged-attention", default="gather", choices=["gather", "flex"],
+                   help="paged decode: gather blocks per layer, or FlexAttention over the pool in place")
     p.add_argument("--spread-lengths", action="store_true", help="response caps uniform in 1..new-tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -280,7 +290,7 @@ def main(argv=None) -> int:
             new_tokens=a.new_tokens or (256 if big else 32), seed=a.seed, bandwidth_tb_s=a.bandwidth_tb_s,
             skip_generate=a.skip_generate, compile=False if a.no_compile else None, model_path=a.model_path,
             span_bucket=a.span_bucket, generate_tokens=a.generate_tokens, kv_cache=a.kv_cache,
-            block_size=a.block_size, spread_lengths=a.spread_lengths)
+            block_size=a.block_size, spread_lengths=a.spread_lengths, paged_attention=a.paged_attention)
     except ValueError as e:
         print(f"hf_fast bench: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,8 @@ with its own loop:
   parameters by address, so :meth:`load_weights` copies into the same storage and the next
   replay uses the new weights without a re-capture.
 * **Continuous refill**: every ``sync_every`` steps the host reads the ``done`` flags (the only
-  host sync of the loop), harvests finished slots and prefills new prompts into them.
+  host sync of the loop: host-to-device copies go through pinned memory, :mod:`.host_io`),
+  harvests finished slots and prefills new prompts into them.
 * **Shared prompts**: a refill runs each distinct prompt through the model once and copies its
   K/V rows into the slots of the other samples of its group (``share_prompts``).
 * **Per-request caps and stop strings**: ``generate(..., max_tokens=[...], stop=[...])``; caps
@@ -41,19 +42,22 @@ with its own loop:
   tokens; LRU eviction when slots or blocks run short (see :mod:`streamrl.engines.kv_sessions`).
 
 On CPU the same loop runs eagerly; greedy decoding gives the same tokens as ``generate()``.
-The attention kernel, the cache and the sampler live in :mod:`streamrl.engines.static_kv`.
+The attention kernel, the cache and the sampler live in :mod:`streamrl.engines.static_kv`; the
+loop of one ``generate`` call (queue, refills, harvests, preemptions, versions; O(1) Python per
+decode step, no host sync between ``done`` reads) in :mod:`streamrl.engines.decode_loop`.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import deque
 from typing import Iterable
 
 import torch
 
 from streamrl.engines.base import BetweenSteps, Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
-from streamrl.engines.kv_sessions import KeptSessions, reusable_prefix
+from streamrl.engines.decode_loop import DecodeLoop
+from streamrl.engines.host_io import to_device
+from streamrl.engines.kv_sessions import KeptSessions
 from streamrl.engines.paged_kv import PagedKVCache
 from streamrl.engines.static_kv import ATTN, StaticKVCache, sample_tokens
 
@@ -87,6 +91,9 @@ class FastHFEngine:
             :mod:`streamrl.engines.paged_kv`).
         block_size: positions per block of the paged cache (``span_bucket`` must be a multiple).
         kv_blocks: blocks of the paged pool (default: as many positions as the static cache).
+        paged_attention: how the paged decode step reads the pool: "gather" (each slot's blocks
+            copied into a contiguous ``[B, Hkv, span, D]`` per layer, then SDPA) or "flex"
+            (FlexAttention over the pool in place, always compiled; :mod:`streamrl.engines.paged_flex`).
         experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
             ``grouped_mm`` on CUDA in bf16/fp16, ``batched_mm`` on CUDA in fp32 (torch's grouped
             GEMM is bf16-only there and its fallback syncs), the model's own setting on CPU.
@@ -99,13 +106,16 @@ class FastHFEngine:
                  record_routing: bool = False, cuda_graphs: bool | None = None, span_bucket: int = 128,
                  sync_every: int = 8, experts_implementation: str | None = "auto",
                  eos_token_id: int | None = None, compile: bool | None = None, share_prompts: bool = True,
-                 kv_cache: str = "static", block_size: int = 16, kv_blocks: int | None = None):
+                 kv_cache: str = "static", block_size: int = 16, kv_blocks: int | None = None,
+                 paged_attention: str = "gather"):
         if kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache = {kv_cache!r}: must be one of {KV_CACHES}")
         for field, value, ok in (("batch_size", batch_size, batch_size > 0), ("top_k", top_k, top_k >= 0),
                                  ("top_p", top_p, 0.0 < top_p <= 1.0), ("span_bucket", span_bucket, span_bucket > 0),
                                  ("sync_every", sync_every, sync_every > 0), ("block_size", block_size, block_size > 0),
-                                 ("span_bucket", span_bucket, kv_cache == "static" or span_bucket % block_size == 0)):
+                                 ("span_bucket", span_bucket, kv_cache == "static" or span_bucket % block_size == 0),
+                                 ("paged_attention", paged_attention, paged_attention == "gather" or (
+                                     paged_attention == "flex" and kv_cache == "paged"))):
             if not ok:
                 raise ValueError(f"{field} = {value!r} is out of range")
         self.device = torch.device(device)
@@ -140,10 +150,12 @@ class FastHFEngine:
         self.paged = kv_cache == "paged"
         if self.paged:
             self.cache = PagedKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev,
-                                      block_size=block_size, num_blocks=kv_blocks)
+                                      block_size=block_size, num_blocks=kv_blocks, attention=paged_attention)
         else:
             self.cache = StaticKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev)
         self.preemptions = 0  # paged: sequences restarted because the pool ran out
+        self.decode_steps = 0  # decode steps taken (all generate calls)
+        self.sync_wait_s = 0.0  # host seconds spent waiting for the device at the loop's syncs
         self.sessions = KeptSessions(self.cache, slot_bound=not self.paged)
         # Slot state, read and written in place by the captured step.
         self.tok = torch.zeros(b, dtype=torch.long, device=dev)      # last drawn token (fed next)
@@ -217,9 +229,9 @@ class FastHFEngine:
         ids = torch.full((n, p), self.pad_id, dtype=torch.long)
         for i, q in enumerate(unique):  # right padding: each row starts at position 0
             ids[i, : len(q)] = torch.tensor(q)
-        ids = ids.to(self.device)
-        lens = torch.tensor([len(q) for q in unique], device=self.device)
-        rows = torch.tensor(lead_slots, device=self.device)
+        ids = to_device(ids, self.device)
+        lens = to_device([len(q) for q in unique], self.device)
+        rows = to_device(lead_slots, self.device)
         pos_ids = self.positions[:p].expand(n, p)
         causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None, None]
         short = self.cache.grow(lead_slots, [len(q) for q in unique])
@@ -233,16 +245,16 @@ class FastHFEngine:
             self.cache.prefill, self._route_at = False, None
         self.prefill_tokens += int(sum(len(q) for q in unique))
         logits = self.lm_head(self.norm(x[torch.arange(n, device=self.device), lens - 1])).float()  # [n, V]
-        all_rows = torch.tensor(slots, device=self.device)
+        all_rows = to_device(slots, self.device)
         if len(unique) < len(prompts):
-            pick = torch.tensor(src, device=self.device)
-            forks = [i for i, s in enumerate(slots) if s not in lead_slots]
-            dst = all_rows[forks]
-            from_rows = rows[pick[forks]]
-            self.cache.fork([lead_slots[src[i]] for i in forks], [slots[i] for i in forks],
-                            [len(prompts[i]) for i in forks])
+            pick = to_device(src, self.device)
+            leads = set(lead_slots)
+            forks = [i for i, s in enumerate(slots) if s not in leads]
+            from_slots, to_slots = [lead_slots[src[i]] for i in forks], [slots[i] for i in forks]
+            self.cache.fork(from_slots, to_slots, [len(prompts[i]) for i in forks])
             if self.route_hist is not None:
-                self.route_hist[dst, :p] = self.route_hist[from_rows, :p]
+                self.route_hist[to_device(to_slots, self.device), :p] = \
+                    self.route_hist[to_device(from_slots, self.device), :p]
             logits, lens = logits[pick], lens[pick]
         self._first_tokens(all_rows, logits, lens, greedy)
 
@@ -253,15 +265,15 @@ class FastHFEngine:
         ids = torch.full((n, q), self.pad_id, dtype=torch.long)
         for i, (p, st) in enumerate(zip(prompts, starts)):
             ids[i, : len(p) - st] = torch.tensor(p[st:])
-        ids = ids.to(self.device)
         dev = self.device
-        start = torch.tensor(starts, device=dev)
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        rows = torch.tensor(slots, device=dev)
+        ids = to_device(ids, dev)
+        start = to_device(starts, dev)
+        lens = to_device([len(p) for p in prompts], dev)
+        rows = to_device(slots, dev)
         # padding queries sit past their row's prompt (clamped into the cache); their output is unused
         pos_ids = (start[:, None] + torch.arange(q, device=dev)).clamp_(max=self.cache.max_span - 1)  # [n, q]
         quantum = self.cache.span_quantum
-        span = min(-(-int(lens.max()) // quantum) * quantum, self.cache.max_span)
+        span = min(-(-max(len(p) for p in prompts) // quantum) * quantum, self.cache.max_span)
         mask = (torch.arange(span, device=dev)[None, None, :] <= pos_ids[:, :, None])[:, None]  # [n, 1, q, span]
         short = self.cache.grow(slots, [len(p) for p in prompts])
         assert not short, "KV pool exhausted inside an admitted prefill"
@@ -290,9 +302,12 @@ class FastHFEngine:
             self._route_at = (self.rows, self.pos)
         pos_ids = self.pos[:, None]
         x = self.embed(self.tok[:, None])
-        # Additive mask built once per step (a bool mask is converted again in every layer).
-        allowed = (self.positions[:span][None, :] <= pos_ids)[:, None, None, :]  # [B, 1, 1, span]
-        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
+        if self.paged and self.cache.attention == "flex":  # the pool read in place through the table
+            mask = self.cache.decode_block_mask(self.pos)
+        else:
+            # Additive mask built once per step (a bool mask is converted again in every layer).
+            allowed = (self.positions[:span][None, :] <= pos_ids)[:, None, None, :]  # [B, 1, 1, span]
+            mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
         x = self._layers(x, mask, pos_ids)
         self._route_at = None
         logits = self.lm_head(self.norm(x[:, -1])).float()
@@ -306,6 +321,14 @@ class FastHFEngine:
         self.pos.add_(step)
         self.tok.copy_(torch.where(active, tok, self.tok))
         self.done.logical_or_(active & ((tok == self.eos_id) | (self.gen >= self.max_new)))
+
+    def _span(self, top: int) -> int:
+        """Cache positions a decode step attends when the furthest row writes position ``top - 1``."""
+        if self.paged and self.cache.attention == "flex":  # the block mask bounds each row: one graph
+            return self.cache.max_span
+        # graphs need few fixed shapes; eager steps attend what is written (whole blocks)
+        bucket = self.span_bucket if self.graphs_on else self.cache.span_quantum
+        return min(-(-top // bucket) * bucket, self.cache.max_span)
 
     def _step(self, span: int, greedy: bool) -> None:
         if not self.graphs_on:
@@ -392,192 +415,12 @@ class FastHFEngine:
         greedy = temperature == 0
         self.temp.fill_(1.0 if greedy else float(temperature))
         self.done.fill_(True)
-        queue = deque(range(len(prompts)))
-        owner = [-1] * self.batch            # prompt index held by each slot
-        host_pos = [0] * self.batch          # upper bound of each slot's position
-        host_gen = [0] * self.batch
-        cap = [0] * self.batch               # response cap of each slot's prompt
-        checked = [0] * self.batch           # response tokens already searched for stop strings
-        out_t: list = [None] * len(prompts)
-        out_l: list = [None] * len(prompts)
-        out_r: list = [None] * len(prompts)
-        cached = [0] * len(prompts)          # prompt tokens a kept session supplied
-        # Host-side version of every step a slot took part in; a slot's real tokens are the
-        # first gen[slot] of them (a row finished on the device keeps stepping as idle).
-        slot_v: list[list[int]] | None = [[] for _ in range(self.batch)] if between_steps else None
-        out_v: list = [None] * len(prompts)
-        current = [int(version)]
-
-        def poll() -> None:
-            update = between_steps() if between_steps is not None else None
-            if update is not None:
-                self.load_weights(update[1])
-                current[0] = int(update[0])
-
-        def wanted() -> list:
-            return [sessions[j] for j in queue] if sessions is not None else []
-
-        def fill(free: list[int]) -> None:
-            # Admit while the pool has room for each prompt and its first decoded position
-            # (counted as if unshared: sharing only uses less). Static caches always have room;
-            # a prompt whose session is kept reuses its K/V (static: in that session's slot).
-            free, reserved, fresh, resumed = list(free), 0, [], []
-            while queue and free:
-                j = queue[0]
-                sid = sessions[j] if sessions is not None else None
-                kept = self.sessions.get(sid) if sid is not None else None
-                start = reusable_prefix(kept.tokens, prompts[j]) if kept is not None else 0
-                if kept is not None and start == 0:  # nothing in common: the kept K/V is of no use
-                    self.release([sid])
-                    kept = None
-                slot = kept.handle if kept is not None and not self.paged else self.sessions.open_slot(free, wanted())
-                if slot is None:
-                    break
-                need = self.cache.blocks_for(len(prompts[j]) + 1)
-                if kept is not None:
-                    need += self.cache.extra_blocks_to_resume(kept.handle, start)
-                while need > self.cache.free_blocks - reserved and self.sessions.evict(wanted(), spare=sid):
-                    pass
-                if need > self.cache.free_blocks - reserved:
-                    break
-                queue.popleft()
-                free.remove(slot)
-                if kept is None:
-                    reserved += need
-                    fresh.append((j, slot))
-                    continue
-                self.sessions.pop(sid)
-                self.cache.attach(slot, kept.handle, start)
-                reserved += self.cache.blocks_for(len(prompts[j]) + 1) - self.cache.blocks_for(start)
-                resumed.append((j, slot, start))
-            chosen = fresh + [(j, s) for j, s, _ in resumed]
-            if not chosen:
-                return
-            self.max_new[torch.tensor([s for _, s in chosen], device=self.device)] = torch.tensor(
-                [caps[j] for j, _ in chosen], device=self.device)
-            if fresh:
-                self._prefill([s for _, s in fresh], [prompts[j] for j, _ in fresh], greedy)
-            if resumed:
-                self._extend([s for _, s, _ in resumed], [prompts[j] for j, _, _ in resumed],
-                             [st for _, _, st in resumed], greedy)
-            for j, s in fresh:
-                cached[j] = 0
-            for j, s, st in resumed:
-                cached[j] = st
-            for j, s in chosen:
-                owner[s], host_pos[s], host_gen[s], cap[s], checked[s] = j, len(prompts[j]), 1, caps[j], 0
-                if slot_v is not None:
-                    slot_v[s] = [current[0]]
-
-        def harvest(slots: list[int]) -> None:
-            idx = torch.tensor(slots, device=self.device)
-            n = self.gen[idx].cpu().tolist()
-            toks, lps = self.out_tok[idx].cpu(), self.out_lp[idx].cpu()
-            hist = self.route_hist[idx].cpu() if self.route_hist is not None else None
-            for r, s in enumerate(slots):
-                j = owner[s]
-                out_t[j], out_l[j] = toks[r, : n[r]].tolist(), lps[r, : n[r]].tolist()
-                if hist is not None:  # position P-1+t predicted response token t
-                    p0 = len(prompts[j]) - 1
-                    out_r[j] = hist[r, p0: p0 + n[r]].clone()
-                if slot_v is not None:
-                    out_v[j] = slot_v[s][: n[r]]
-                owner[s] = -1
-                if sessions is not None:  # the last drawn token was never fed: its K/V is not there
-                    kept = prompts[j] + out_t[j][:-1]
-                    self.sessions.keep(sessions[j], kept, s)
-            if sessions is None:
-                self.cache.release(slots)
-
-        def preempt(s: int) -> None:
-            """Give up slot ``s``'s sequence (pool exhausted): free its blocks, queue its prompt again."""
-            self.cache.release([s])
-            self.done[s] = True
-            queue.appendleft(owner[s])
-            owner[s] = -1
-            self.preemptions += 1
-
-        def grow(live: list[int]) -> list[int]:
-            """Blocks for the position each live slot writes next; preempt the least advanced on shortage."""
-            while live and self.paged:  # a static slot always has room
-                short = self.cache.grow(live, [host_pos[s] + 1 for s in live])
-                if not short:
-                    break
-                if self.sessions.evict(wanted()):  # kept sessions go before running sequences
-                    continue
-                victim = min(live, key=lambda s: (host_gen[s], -s))
-                preempt(victim)
-                live = [s for s in live if s != victim]
-            return live
-
         with self._impl():
-            poll()
-            fill(list(range(self.batch)))
-            steps = 0
-            while any(o >= 0 for o in owner):
-                live = grow([s for s in range(self.batch) if owner[s] >= 0 and host_gen[s] < cap[s]])
-                if live:
-                    poll()
-                    top = max(host_pos[s] for s in live) + 1
-                    # graphs need few fixed shapes; eager steps attend what is written (whole blocks)
-                    bucket = self.span_bucket if self.graphs_on else self.cache.span_quantum
-                    span = min(-(-top // bucket) * bucket, self.cache.max_span)
-                    self._step(span, greedy)
-                    steps += 1
-                    for s in live:
-                        host_pos[s] += 1
-                        host_gen[s] += 1
-                        if slot_v is not None:
-                            slot_v[s].append(current[0])
-                if not live or steps % self.sync_every == 0 or all(host_gen[s] >= cap[s] for s in live):
-                    if stop:
-                        self._cut_at_stop([s for s in range(self.batch) if owner[s] >= 0], stop, checked)
-                    done = self.done.cpu().tolist()  # the loop's one host sync, every sync_every steps
-                    finished = [s for s in range(self.batch) if owner[s] >= 0 and done[s]]
-                    if finished:
-                        harvest(finished)
-                    free = [s for s in range(self.batch) if owner[s] < 0]
-                    if queue and free:  # slots freed now, or earlier but then short of KV blocks
-                        fill(free)
-        return Generation(tokens=out_t, logprobs=out_l, routed_experts=out_r if self.routers else None,
-                          versions=out_v if slot_v is not None else None,
-                          cached_tokens=cached if sessions is not None else None)
+            return DecodeLoop(self, prompts, caps, greedy, between_steps, version, stop, sessions).run()
 
     def release(self, sessions: list) -> None:
         """Free the kept K/V of ``sessions`` (an episode ended); unknown ids are ignored."""
         self.sessions.release(sessions)
-
-    def _cut_at_stop(self, slots: list[int], stop: list[str], checked: list[int]) -> None:
-        """End the responses in ``slots`` that now contain a stop string after the token completing it.
-
-        Only the tokens since the last check (plus a window as long as the longest stop string,
-        so a stop split across checks is found) are decoded; a cut row is marked done on the
-        device with ``gen`` set to its cut length, so the harvest keeps exactly those tokens.
-        """
-        if not slots:
-            return
-        idx = torch.tensor(slots, device=self.device)
-        gen = self.gen[idx].cpu().tolist()
-        window = max(len(x) for x in stop)
-        lo = min(max(0, checked[s] - window) for s in slots)
-        hi = max(gen)
-        toks = self.out_tok[idx, lo:hi].cpu().tolist()
-        cut_rows, cut_lens = [], []
-        for r, s in enumerate(slots):
-            start = max(0, checked[s] - window)
-            row = toks[r][start - lo: gen[r] - lo]
-            checked[s] = gen[r]
-            if not any(x in self.tokenizer.decode(row) for x in stop):
-                continue
-            for n in range(1, len(row) + 1):  # shortest prefix that completes a stop string
-                if any(x in self.tokenizer.decode(row[:n]) for x in stop):
-                    cut_rows.append(s)
-                    cut_lens.append(start + n)
-                    break
-        if cut_rows:
-            rows = torch.tensor(cut_rows, device=self.device)
-            self.gen[rows] = torch.tensor(cut_lens, device=self.device)
-            self.done[rows] = True
 
     def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
         """Teacher-forced log-probs (temperature 1) of ``seq[start:]``; one eager forward."""

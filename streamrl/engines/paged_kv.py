@@ -17,7 +17,8 @@ of fixed-size blocks shared by all slots:
   own tokens into it (copy-on-write done at the fork: the first decode step writes it anyway).
 * **Decode reads** gather the table's first ``span / BS`` blocks of every slot into
   ``[B, Hkv, span, D]`` (strided view of one gather): fixed shapes per span bucket, so the
-  step stays capturable in a CUDA graph.
+  step stays capturable in a CUDA graph. With ``attention="flex"`` nothing is gathered:
+  FlexAttention reads the pool in place through the table (:mod:`streamrl.engines.paged_flex`).
 
 All device ops of :meth:`update` read persistent buffers (pool, table, ``rows``/``pos``), so
 host-side table edits between graph replays are seen by the next replay.
@@ -25,6 +26,11 @@ host-side table edits between graph replays are seen by the next replay.
 from __future__ import annotations
 
 import torch
+
+from streamrl.engines.host_io import to_device
+from streamrl.engines.paged_flex import decode_block_mask, last_block_mask_mod, pool_sequence
+
+PAGED_ATTENTION = ("gather", "flex")
 
 
 def pool_blocks(pool_bytes: int, layers: int, kv_heads: int, head_dim: int, element_size: int,
@@ -46,9 +52,13 @@ class PagedKVCache:
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device,
-                 block_size: int = 16, num_blocks: int | None = None):
+                 block_size: int = 16, num_blocks: int | None = None, attention: str = "gather"):
         if block_size < 1:
             raise ValueError(f"block_size = {block_size}: must be >= 1")
+        if attention not in PAGED_ATTENTION:
+            raise ValueError(f"paged attention = {attention!r}: must be one of {PAGED_ATTENTION}")
+        self.attention = attention
+        self._in_last_block = None  # flex: mask_mod reading the decode positions
         self.block_size = block_size
         self.max_blocks = -(-max_len // block_size)  # M: table width
         self.max_span = self.max_blocks * block_size
@@ -100,8 +110,7 @@ class PagedKVCache:
         """Apply ``(slot, index, block)`` edits to the device table in one indexed write."""
         if edits:
             s, m, b = zip(*edits)
-            self.table[torch.tensor(s, device=self.device), torch.tensor(m, device=self.device)] = \
-                torch.tensor(b, device=self.device)
+            self.table[to_device(s, self.device), to_device(m, self.device)] = to_device(b, self.device)
 
     def grow(self, slots: list[int], lengths: list[int]) -> list[int]:
         """Give each slot blocks for positions ``0..lengths[i]-1``; returns the slots the pool could not serve."""
@@ -127,7 +136,7 @@ class PagedKVCache:
                     self._free.append(b)
             self.slot_blocks[s] = []
         if slots:
-            self.table[torch.tensor(slots, device=self.device)] = 0
+            self.table[to_device(slots, self.device)] = 0
 
     def detach(self, slot: int, length: int) -> list[int]:
         """Take slot ``slot``'s blocks covering positions ``0..length-1`` out of the slot (a kept
@@ -196,12 +205,19 @@ class PagedKVCache:
                 self.slot_blocks[d].append(b)
         self._write_table(edits)
         if copy_to:
-            fr, to = torch.tensor(copy_from, device=self.device), torch.tensor(copy_to, device=self.device)
+            fr, to = to_device(copy_from, self.device), to_device(copy_to, self.device)
             for k, v in zip(self.k, self.v):
                 k[to] = k[fr]
                 v[to] = v[fr]
 
     # ------------------------------------------------------------------ device side (HF cache API)
+    def decode_block_mask(self, pos: torch.Tensor):
+        """``attention="flex"``: the BlockMask of this decode step's rows at positions ``pos [B]``
+        (the engine's persistent position tensor: the mask_mod reads it when the kernel runs)."""
+        if self._in_last_block is None:
+            self._in_last_block = last_block_mask_mod(pos, self.block_size)
+        return decode_block_mask(self.table, pos, self.block_size, self.num_blocks, self._in_last_block)
+
     def update(self, key, value, layer_idx, *args, **kwargs):
         """Write the new K/V and return what attention reads.
 
@@ -230,6 +246,8 @@ class PagedKVCache:
         blk = self.table[self.rows, self.pos // bs]  # [B]
         k[blk, self.pos % bs] = key[:, :, 0]
         v[blk, self.pos % bs] = value[:, :, 0]
+        if self.attention == "flex":  # attention reads the pool in place (decode_block_mask)
+            return pool_sequence(k), pool_sequence(v)
         b, nb = self.table.shape[0], self.span // bs
         ids = self.table[:, :nb]
         # [B, nb, BS, Hkv, D] -> [B, span, Hkv, D] (free view) -> [B, Hkv, span, D] (strided)

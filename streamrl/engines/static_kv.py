@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import AttentionInterface
+
+from streamrl.engines.host_io import to_device
+from streamrl.engines.paged_flex import flex_decode_attention
 
 ATTN = "streamrl_static_kv"
 """Name of the attention kernel registered with transformers (selected inside the engine only)."""
@@ -19,7 +23,10 @@ ATTN = "streamrl_static_kv"
 
 def static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """SDPA over the static cache; query ``[B, Hq, q, D]``, key/value ``[B, Hkv, S, D]``,
-    attention_mask bool ``[B|1, 1, q, S]``; returns ``([B, q, Hq, D], None)`` like HF's kernels."""
+    attention_mask bool ``[B|1, 1, q, S]``; returns ``([B, q, Hq, D], None)`` like HF's kernels. A
+    ``BlockMask`` instead means paged decode over the whole pool (:mod:`streamrl.engines.paged_flex`)."""
+    if isinstance(attention_mask, BlockMask):  # paged decode reading the pool in place
+        return flex_decode_attention(query, key, value, attention_mask, scaling), None
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     groups = hq // hkv
@@ -100,7 +107,7 @@ class StaticKVCache:
         """Copy positions ``0..lengths[i]-1`` of slot ``src[i]`` into slot ``dst[i]`` (a shared prefix)."""
         dev = self.k[0].device
         n = max(lengths)
-        fr, to = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        fr, to = to_device(src, dev), to_device(dst, dev)
         for k, v in zip(self.k, self.v):
             k[to, :, :n] = k[fr, :, :n]
             v[to, :, :n] = v[fr, :, :n]

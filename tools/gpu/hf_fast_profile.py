@@ -1,18 +1,41 @@
-"""Where a decode step's time goes on the GPU: graph replay time vs the loop, eager kernel profile."""
+"""Where a decode step's time goes on the GPU: graph replay time vs the loop, eager kernel profile.
+
+    python3 tools/gpu/hf_fast_profile.py [BATCH=256] [KV=static|paged] [SPAN=256]
+
+SPAN: the attended span of the timed graph (the rollout_long 1k case attends 512, 1024 and 1152).
+The first line also counts the host<->device syncs of one generate call (torch's sync debug
+mode), next to its decode steps: the loop should sync once per ``sync_every`` steps.
+"""
 import sys
+import warnings
 
 import torch
 
 from streamrl.bench.hf_fast import build_bench_model
 from streamrl.engines.hf_fast import FastHFEngine
 
-B, P, SPAN = int(sys.argv[1]) if len(sys.argv) > 1 else 256, 128, 256
+B, P = int(sys.argv[1]) if len(sys.argv) > 1 else 256, 128
 KV = sys.argv[2] if len(sys.argv) > 2 else "static"  # static | paged
+SPAN = int(sys.argv[3]) if len(sys.argv) > 3 else 256
+MAX_LEN = max(384, SPAN)
 model = build_bench_model("moe-1b", "cuda", "bfloat16")
-eng = FastHFEngine(model, None, device="cuda", batch_size=B, max_seq_len=384, eos_token_id=32768,
-                   kv_cache=KV)
+eng = FastHFEngine(model, None, device="cuda", batch_size=B, max_seq_len=MAX_LEN, eos_token_id=32768,
+                   kv_cache=KV, span_bucket=SPAN if SPAN % 16 == 0 else 128)
 prompts = torch.randint(3, 32768, (B, P)).tolist()
-eng.generate(prompts, 8, 1.0)  # captures span 256
+eng.generate(prompts, 8, 1.0)  # captures the graph of the first span
+steps0 = eng.decode_steps
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        eng.generate(prompts, 64, 1.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+syncs = sum("synchroniz" in str(w.message) for w in caught)
+print(f"B={B} kv={KV} generate of 64 new tokens: {eng.decode_steps - steps0} decode steps, {syncs} host syncs "
+      f"(sync_every={eng.sync_every})")
+if (SPAN, False) not in eng.graphs:
+    eng.graphs[(SPAN, False)] = eng._capture(SPAN, False)
 with torch.no_grad(), eng._impl():
     eng.max_new.fill_(256)
     eng._prefill(list(range(B)), prompts, False)
@@ -27,7 +50,7 @@ with torch.no_grad(), eng._impl():
         g.replay()
     e1.record()
     torch.cuda.synchronize()
-    print(f"B={B} kv={KV} graph replay: {e0.elapsed_time(e1) / 20:.3f} ms/step")
+    print(f"B={B} kv={KV} span={SPAN} graph replay: {e0.elapsed_time(e1) / 20:.3f} ms/step")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(3):

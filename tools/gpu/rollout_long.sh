@@ -15,11 +15,13 @@
 #   bash tools/gpu/rollout_long.sh
 #   KV=paged bash tools/gpu/rollout_long.sh
 #   KV=paged CASES=moe1b-b256-8k-spread bash tools/gpu/rollout_long.sh
+# PAGED_ATTN=flex (with KV=paged): FlexAttention reads the block pool in place instead of a gather per layer.
 set -uo pipefail
 source tools/gpu/env.sh || exit 1
 BUDGET_S=${BUDGET_S:-450}
 GEN_TOKENS=${GEN_TOKENS:-256}
 KV=${KV:-static}
+PAGED_ATTN=${PAGED_ATTN:-gather}   # KV=paged: gather (blocks copied per layer) or flex (pool read in place)
 if [[ $KV == paged ]]; then
   CASES=${CASES:-"moe1b-b256-1k moe1b-b256-4k"}
   GEN=(--skip-generate)
@@ -29,7 +31,7 @@ else
 fi
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache   # shared by the cases: same graphs compile once
 START=$(date +%s)
-JSONL="$OUT/rollout_long_$KV.jsonl"; : > "$JSONL"
+JSONL="$OUT/rollout_long_$KV${PAGED_ATTN/gather/}.jsonl"; : > "$JSONL"
 if [[ " $CASES " == *" smol-"* && ! -f /tmp/smol/config.json ]]; then
   python3 -m streamrl.models.prepare --out /tmp/smol --dtype float32 > "$OUT/prepare_smol.log" 2>&1 \
     || echo '{"case": "prepare-smol", "error": "streamrl.models.prepare failed; see prepare_smol.log"}' | tee -a "$JSONL"
@@ -43,7 +45,7 @@ bench() {  # bench NAME ESTIMATE_S ARGS...: one JSON line, or a skip/error line
     return
   fi
   local line
-  line=$(timeout "$left" python3 -m streamrl.bench.hf_fast --device cuda --json --kv-cache "$KV" "$@" \
+  line=$(timeout "$left" python3 -m streamrl.bench.hf_fast --device cuda --json --kv-cache "$KV" --paged-attention "$PAGED_ATTN" "$@" \
     2> "$OUT/$name-$KV.err" | tail -1)
   if [[ "$line" == \{* ]]; then
     echo "{\"case\": \"$name\", ${line:1}" | tee -a "$JSONL"
