@@ -218,6 +218,9 @@ class RolloutConfig:
     """hf_fast paged: positions per KV block."""
     kv_pool_mb: int = 0
     """hf_fast paged: KV block pool in MiB (0 = as many positions as the static cache); a full pool preempts."""
+    paged_attention: str = "gather"
+    """hf_fast paged: 'gather' (copy each slot's blocks into a contiguous span per layer) or 'flex' (FlexAttention
+    reads the pool in place through a block mask; always compiled; not yet measured on a GPU)."""
     max_model_len: int = 512
     """vllm and hf_fast: longest prompt + response in tokens (hf_fast sizes its KV cache by it)."""
     gpu_memory_utilization: float = 0.5
@@ -247,6 +250,10 @@ class RolloutConfig:
         _check(self.kv_block_size >= 1 and 128 % self.kv_block_size == 0, f"{p}.kv_block_size", self.kv_block_size,
                "must divide 128 (the CUDA-graph span bucket)")
         _check(self.kv_pool_mb >= 0, f"{p}.kv_pool_mb", self.kv_pool_mb, "must be >= 0")
+        _check(self.paged_attention in ("gather", "flex"), f"{p}.paged_attention", self.paged_attention,
+               "must be 'gather' or 'flex'")
+        _check(self.paged_attention == "gather" or self.kv_cache == "paged", f"{p}.paged_attention",
+               self.paged_attention, "'flex' reads the paged pool: needs rollout.kv_cache = 'paged'")
         _check(self.max_model_len >= 2, f"{p}.max_model_len", self.max_model_len, "must be >= 2")
         _check(0 < self.gpu_memory_utilization <= 1, f"{p}.gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")

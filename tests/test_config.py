@@ -36,6 +36,7 @@ def test_roundtrip_through_dict(repo):
         ("learner.lr=fast", "learner.lr", "'fast'"),
         ("rollout.group_size=2.5", "rollout.group_size", "2.5"),
         ("model.experts_per_token=9", "model.experts_per_token", "9"),
+        ("rollout.paged_attention=fast", "rollout.paged_attention", "'fast'"),
     ],
 )
 def test_bad_values_name_field_and_value(override, field, value):

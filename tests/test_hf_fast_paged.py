@@ -109,12 +109,26 @@ def test_gpu_paged_graphs_equal_static(attention):
     (["rollout.engine=vllm", "rollout.kv_cache=paged"], "rollout.kv_cache"),
     (["rollout.engine=hf_fast", "rollout.kv_cache=paged", "rollout.kv_block_size=24"], "rollout.kv_block_size"),
     (["rollout.engine=hf_fast", "rollout.kv_pool_mb=-1"], "rollout.kv_pool_mb"),
+    (["rollout.engine=hf_fast", "rollout.paged_attention=flex"], "rollout.paged_attention"),  # static cache
 ])
 def test_paged_config_errors_name_the_field(overrides, field):
     from streamrl.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(None, overrides)
+
+
+def test_factory_hands_the_paged_attention_to_the_cache():
+    from streamrl.config import load_config
+    from streamrl.engines.factory import build_engine
+
+    cfg = load_config(None, ["rollout.engine=hf_fast", "rollout.kv_cache=paged", "rollout.paged_attention=flex",
+                             "rollout.max_model_len=64", "rollout.max_new_tokens=16"])
+    eng = build_engine(cfg)
+    try:
+        assert eng.cache.attention == "flex"
+    finally:
+        eng.close()
 
 
 def test_factory_sizes_the_pool_from_mib():
@@ -127,6 +141,7 @@ def test_factory_sizes_the_pool_from_mib():
     try:
         # tiny model: 2 layers x 1 KV head x 32 dims x fp32, K and V = 512 B a position, 4 KiB a block
         assert eng.cache.block_size == 8 and eng.cache.num_blocks == (1 << 20) // 4096 + 1
+        assert eng.cache.attention == "gather"
         gen = eng.generate([[5, 6, 7]] * 4, 16, 1.0)
         assert [len(t) for t in gen.tokens] == [len(lp) for lp in gen.logprobs] and max(map(len, gen.tokens)) <= 16
     finally:
