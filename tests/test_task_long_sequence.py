@@ -42,11 +42,11 @@ def test_answer_tokens_in_range_with_smollm2_tokenizer(smol_tok, lo, hi, digits)
     """Every family's answer is lo..hi SmolLM2 tokens, exactly as estimate_tokens counts them."""
     task = get_task("long_sequence", num_digits=digits, min_answer_tokens=lo, max_answer_tokens=hi)
     problems = _problems(task, 60)
-    assert {p.fields["family"] for p in problems} == set(FAMILIES)
+    assert {p.fields["source_dataset"] for p in problems} == set(FAMILIES)
     for p in problems:
         n = len(smol_tok.encode(p.answer, add_special_tokens=False))
         assert n == estimate_tokens(p.answer), p.answer[:80]
-        assert lo <= n <= hi, (p.fields["family"], n)
+        assert lo <= n <= hi, (p.fields["source_dataset"], n)
     spread = [estimate_tokens(p.answer) for p in problems]
     assert max(spread) - min(spread) > (hi - lo) / 2   # lengths cover the range, not one size
 
@@ -124,7 +124,7 @@ def test_held_out_problems_are_never_trained_on():
     train = {p.answer for p in _problems(task, 1000)}
     assert len({p.answer for p in held}) > 50
     assert not train & {p.answer for p in held}
-    assert {p.fields["family"] for p in held} == set(FAMILIES)
+    assert {p.fields["source_dataset"] for p in held} == set(FAMILIES)
 
 
 def test_config_selects_the_task_and_names_bad_fields():

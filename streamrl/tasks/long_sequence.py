@@ -13,7 +13,8 @@ from the start; stopping early, drifting, trailing junk and a lead-in all cost i
 proportion. Terms are read as integers and words, so the separator is not graded.
 
 Held-out problems (:meth:`LongSequence.sample_held_out`) are sequences whose hash is odd;
-training draws only even ones, so no evaluated sequence is ever trained on.
+training draws only even ones, so no evaluated sequence is ever trained on. Each problem's
+family travels as ``fields["source_dataset"]``, so evaluation reports accuracy per family.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import math
 import random
 import re
 import zlib
+from itertools import count
 from typing import Callable, Iterator
 
 from streamrl.tasks.registry import Problem, register_task
@@ -115,8 +117,8 @@ def prefix_credit(answer: str, response: str) -> list[float]:
     return credit
 
 
-# A family draws its parameters and returns (term generator, prompt maker); the prompt maker
-# gets the terms written so it can name the last one or the count.
+# A family draws its parameters from (rng, num_digits) and returns (endless term generator,
+# prompt maker); the prompt maker gets the terms written so it can name the last one or the count.
 Family = Callable[[random.Random, int], tuple[Iterator[str], Callable[[list[str]], str]]]
 
 
@@ -131,7 +133,7 @@ def _count_up(rng: random.Random, digits: int):
         lambda t: f"List the numbers {a}, {a + k}, {a + 2 * k}, ... up to {t[-1]}.",
         lambda t: f"Start at {a} and keep adding {k}. Write the first {len(t)} numbers, comma-separated.",
     )
-    return (str(a + i * k) for i in range(10**9)), rng.choice(phrasings)
+    return (str(a + i * k) for i in count()), rng.choice(phrasings)
 
 
 def _count_down(rng: random.Random, digits: int):
@@ -140,12 +142,12 @@ def _count_down(rng: random.Random, digits: int):
         lambda t: f"Count down from {a} to {t[-1]} in steps of {k}, separated by commas.",
         lambda t: f"List the numbers {a}, {a - k}, {a - 2 * k}, ... down to {t[-1]}.",
     )
-    return (str(a - i * k) for i in range(10**9)), rng.choice(phrasings)
+    return (str(a - i * k) for i in count()), rng.choice(phrasings)
 
 
 def _multiples(rng: random.Random, digits: int):
     k = max(2, _number(rng, digits))
-    return (str(k * i) for i in range(1, 10**9)), (
+    return (str(k * i) for i in count(1)), (
         lambda t: f"Write the first {len(t)} multiples of {k}, separated by commas.")
 
 
@@ -154,7 +156,7 @@ def _parity(rng: random.Random, digits: int):
     a = _number(rng, digits)
     a += (a % 2 == 0) == odd   # first term of the asked parity
     kind = "odd" if odd else "even"
-    return (str(a + 2 * i) for i in range(10**9)), (
+    return (str(a + 2 * i) for i in count()), (
         lambda t: f"List the {kind} numbers from {a} to {t[-1]}, separated by commas.")
 
 
@@ -164,7 +166,7 @@ def _squares(rng: random.Random, digits: int):
         lambda t: f"List the squares of the whole numbers from {a} to {a + len(t) - 1}, separated by commas.",
         lambda t: f"Write n*n for every n from {a} to {a + len(t) - 1}, comma-separated.",
     )
-    return (str((a + i) ** 2) for i in range(10**9)), rng.choice(phrasings)
+    return (str((a + i) ** 2) for i in count()), rng.choice(phrasings)
 
 
 def _repeat(rng: random.Random, digits: int):
@@ -174,7 +176,7 @@ def _repeat(rng: random.Random, digits: int):
         lambda t: f"Repeat the words '{shown}' in order until you have written {len(t)} words, separated by commas.",
         lambda t: f"Write {len(t)} words, comma-separated, cycling through: {', '.join(pattern)}.",
     )
-    return (pattern[i % len(pattern)] for i in range(10**9)), rng.choice(phrasings)
+    return (pattern[i % len(pattern)] for i in count()), rng.choice(phrasings)
 
 
 FAMILIES: dict[str, Family] = {
@@ -218,7 +220,7 @@ class LongSequence:
             written.pop()
         answer = ", ".join(written)
         held_out = zlib.crc32(answer.encode()) % 2 == 1
-        return Problem(prompt=prompt(written), answer=answer, fields={"family": family}), held_out
+        return Problem(prompt=prompt(written), answer=answer, fields={"source_dataset": family}), held_out
 
     def sample(self, rng: random.Random) -> Problem:
         """A training problem (even half of the sequence space); uses only ``rng``."""
