@@ -101,13 +101,17 @@ class TaskConfig:
     name: str = "copy_digits"
     """Registered task name (see streamrl.tasks.registry)."""
     num_digits: int = 4
-    """Digits per prompt for digit tasks; operand digits for arithmetic."""
+    """Digits per prompt for digit tasks; operand digits for arithmetic; digits of long_sequence's first number."""
     datasets: dict[str, Any] | None = None
     """reasoning_gym: {dataset: weight | {weight, **dataset options}}; null = basic_arithmetic, chain_sum, products."""
     answer_format: str = "final"
     """reasoning_gym: instruction after each question: final (only the answer), tag (<answer></answer>), none."""
     partial_credit: bool = False
     """reasoning_gym: keep the scorers' partial credit (e.g. 0.8 for '63700' when '6370' is right); false = 0."""
+    min_answer_tokens: int = 512
+    """long_sequence: shortest answer in tokens (one per digit, word, punctuation mark and space before a number)."""
+    max_answer_tokens: int = 1024
+    """long_sequence: longest answer in tokens; at least min_answer_tokens + 32 (room for a whole term)."""
 
     def validate(self, p: str) -> None:
         from streamrl.tasks import available_tasks
@@ -116,6 +120,9 @@ class TaskConfig:
         _check(self.name in available_tasks(), f"{p}.name", self.name,
                f"unknown task; known: {sorted(available_tasks())}")
         _check(1 <= self.num_digits <= 12, f"{p}.num_digits", self.num_digits, "must be in [1, 12]")
+        _check(self.min_answer_tokens >= 1, f"{p}.min_answer_tokens", self.min_answer_tokens, "must be >= 1")
+        _check(self.max_answer_tokens >= self.min_answer_tokens + 32, f"{p}.max_answer_tokens",
+               self.max_answer_tokens, f"must be >= task.min_answer_tokens + 32 = {self.min_answer_tokens + 32}")
         _check(self.answer_format in ANSWER_FORMATS, f"{p}.answer_format", self.answer_format,
                f"must be one of {sorted(ANSWER_FORMATS)}")
         if self.name != "reasoning_gym":

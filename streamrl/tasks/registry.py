@@ -75,7 +75,8 @@ def build_task(task_cfg) -> Task:
     """The task a :class:`~streamrl.config.TaskConfig` describes (every task gets every task
     option; each takes the ones it knows)."""
     return get_task(task_cfg.name, num_digits=task_cfg.num_digits, datasets=task_cfg.datasets,
-                    answer_format=task_cfg.answer_format, partial_credit=task_cfg.partial_credit)
+                    answer_format=task_cfg.answer_format, partial_credit=task_cfg.partial_credit,
+                    min_answer_tokens=task_cfg.min_answer_tokens, max_answer_tokens=task_cfg.max_answer_tokens)
 
 
 def problem_stream(task: Task, seed: int, shard: int, num_shards: int):
