@@ -97,7 +97,7 @@ def greedy_accuracy(engine, roller, problems: list[Problem], max_new_tokens: int
 def bench_pair(engine_name: str, model: str, args) -> dict:
     from streamrl.engines.factory import build_engine
     from streamrl.models.factory import load_model_and_tokenizer
-    from streamrl.tasks import get_task
+    from streamrl.tasks import build_task
     from streamrl.tasks.registry import eval_problems, problem_stream
     from streamrl.transport.sender import TrajectorySender
     from streamrl.workers.rollout import BatchRoller
@@ -114,7 +114,7 @@ def bench_pair(engine_name: str, model: str, args) -> dict:
     mdl, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
     engine = build_engine(cfg, mdl, tok)
     start_s = time.perf_counter() - t0
-    task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
+    task = build_task(cfg.task)  # every task.* field (long_sequence lengths too)
     batches = [list(itertools.islice(problem_stream(task, 1, b, args.batches + 1), rc.prompts_per_batch))
                for b in range(args.batches + 1)]
     feed: list[Problem] = []
