@@ -89,7 +89,7 @@ def test_single_sequence_rows_skip_the_block_mask():
 
 
 def test_attention_setting():
-    assert resolve_attention("auto", "cuda") == "flex" and resolve_attention("auto", "cpu") == "sdpa"
+    assert resolve_attention("auto", "cuda") == "flex" and resolve_attention("auto", "cpu") == "segments"
     assert resolve_attention("sdpa", "cuda") == "sdpa"
     with pytest.raises(ConfigError, match="learner.attention"):
         load_config(f"{REPO}/configs/tiny.yaml", ["learner.attention=fast"])

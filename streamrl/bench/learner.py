@@ -68,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--synthetic-moe", action="store_true", help="the learner_step 1.31 B MoE instead of --model")
     p.add_argument("--prompt-len", type=int, default=0, help="random prompts of this length (0: chat arithmetic)")
     p.add_argument("--peak", type=float, default=790.0, help="bf16 peak TFLOP/s per device for mfu")
-    p.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex"), help="learner.attention")
+    p.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex", "segments"), help="learner.attention")
     p.add_argument("--profile", type=int, default=0,
                    help="after the timed steps, profile this many steps: top-25 kernel table into --profile-out, "
                         "kernel families and top kernels into the JSON")
