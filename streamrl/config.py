@@ -467,7 +467,7 @@ class PlacementConfig:
     colocate: list[list[str]] = field(default_factory=list)
     """Groups of roles allowed to share a GPU, e.g. [[learner, reference]]; other roles may not."""
     learner_threads: int = 0
-    """Intra-op threads per learner rank; 0 = the host's cores / its learner ranks (see placement.assign_threads)."""
+    """Intra-op threads per learner rank; 0 = the cores the host's rollout workers leave / its learner ranks (see placement.assign_threads)."""
     rollout_threads: int = 0
     """Intra-op threads per rollout worker; 0 = the host's cores / all its processes (at least 1)."""
 

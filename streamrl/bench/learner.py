@@ -24,8 +24,8 @@ gradient pass), ``tokens_per_s`` (prompt + response tokens of the batch per seco
 ``max_abs_logprob_diff`` (response-token log-probs before the step) and ``max_abs_grad_diff``
 (every parameter's gradient of the first pass). With ``--json`` the last line is one JSON object.
 
-``--attention`` picks ``learner.attention`` (auto: FlexAttention block masks on CUDA, sdpa
-on CPU); ``--profile N`` profiles N more steps with torch.profiler and writes its table of
+``--attention`` picks ``learner.attention`` (auto: FlexAttention block masks on CUDA,
+attention by segments on CPU); ``--profile N`` profiles N more steps with torch.profiler and writes its table of
 the top 25 kernels by self device time to ``--profile-out`` (kernel families and top kernels
 also go into the JSON).
 
