@@ -58,8 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--response-len", type=int, default=24)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=1, help="timed steps per implementation")
-    # CPU sdpa with a mask keeps [heads, N, N] attention weights per layer: small rows there
-    p.add_argument("--budget", type=int, default=512, help="learner.max_tokens_per_microbatch")
+    # 4 groups (4 x ~245 tokens) per micro-batch: fewer, larger ops than 512 (0.6-0.7x the wall of a
+    # 2-thread 8 x 8 step under load); the activations of 2048 would push the peak memory up
+    p.add_argument("--budget", type=int, default=1024, help="learner.max_tokens_per_microbatch")
     p.add_argument("--impl", default="padded,shared", help="all, or a comma list of " + ", ".join(IMPLS))
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -88,6 +89,9 @@ def make_config(args, impl: str):
         f"learner.activation_checkpointing={'true' if args.activation_checkpointing else 'false'}",
         f"rollout.max_new_tokens={args.response_len}", "rollout.temperature=1.0", "learner.lr=1e-6",
         "learner.aux_loss_coef=0", f"learner.max_tokens_per_microbatch={args.budget}",
+        # CPU: a micro-batch's response positions in one chunk, its logits kept for the backward
+        # (on CUDA the long rows' [chunk, vocab] logits would not fit: the config's chunk)
+        *([f"learner.logprob_chunk_tokens={args.budget}"] if args.device == "cpu" else []),
         f"learner.attention={args.attention}", f"learner.compile={'true' if args.compile else 'false'}",
         f"learner.shared_prompt={'true' if impl == 'shared' else 'false'}",
         # A bench batch of groups of one has no GRPO signal: the step must still run in full.
