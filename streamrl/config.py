@@ -381,7 +381,8 @@ class LearnerConfig:
     """Response positions per chunk of the LM head + log-softmax (bounds the [chunk, vocab] fp32 temporary)."""
     attention: str = "auto"
     """Attention over packed rows: flex (FlexAttention block mask, skips masked tiles; backward needs CUDA),
-    sdpa (dense [N, N] mask), auto (flex on CUDA, sdpa on CPU)."""
+    segments (sdpa per prompt and per sample segment, only what the mask sees), sdpa (dense [N, N] mask),
+    auto (flex on CUDA, segments on CPU)."""
 
     def validate(self, p: str) -> None:
         _check(self.lr > 0, f"{p}.lr", self.lr, "must be > 0")
@@ -419,8 +420,8 @@ class LearnerConfig:
         _check(self.max_tokens_per_microbatch >= 1, f"{p}.max_tokens_per_microbatch", self.max_tokens_per_microbatch,
                "must be >= 1")
         _check(self.logprob_chunk_tokens >= 1, f"{p}.logprob_chunk_tokens", self.logprob_chunk_tokens, "must be >= 1")
-        _check(self.attention in ("auto", "sdpa", "flex"), f"{p}.attention", self.attention,
-               "must be auto, sdpa or flex")
+        _check(self.attention in ("auto", "sdpa", "flex", "segments"), f"{p}.attention", self.attention,
+               "must be auto, sdpa, flex or segments")
         _check(self.advantage == "sequence" or self.loss not in ("gspo", "vtrace"), f"{p}.advantage",
                self.advantage, f"token advantages need a token-level loss, not learner.loss = {self.loss!r} "
                "(gspo weighs whole sequences; vtrace computes its own)")
@@ -482,7 +483,7 @@ class PlacementConfig:
     colocate: list[list[str]] = field(default_factory=list)
     """Groups of roles allowed to share a GPU, e.g. [[learner, reference]]; other roles may not."""
     learner_threads: int = 0
-    """Intra-op threads per learner rank; 0 = the host's cores / its learner ranks (see placement.assign_threads)."""
+    """Intra-op threads per learner rank; 0 = the cores the host's rollout workers leave / its learner ranks (see placement.assign_threads)."""
     rollout_threads: int = 0
     """Intra-op threads per rollout worker; 0 = the host's cores / all its processes (at least 1)."""
 

@@ -126,7 +126,7 @@ def test_flex_kernel_options(monkeypatch):
 
 
 def test_attention_setting():
-    assert resolve_attention("auto", "cuda") == "flex" and resolve_attention("auto", "cpu") == "sdpa"
+    assert resolve_attention("auto", "cuda") == "flex" and resolve_attention("auto", "cpu") == "segments"
     assert resolve_attention("sdpa", "cuda") == "sdpa"
     with pytest.raises(ConfigError, match="learner.attention"):
         load_config(f"{REPO}/configs/tiny.yaml", ["learner.attention=fast"])

@@ -132,9 +132,11 @@ def test_multinode_plans():
 
 
 @pytest.mark.parametrize("learners,rollers,cores,want", [
-    (1, 1, 2, {"learner": 2, "rollout-0": 1}),                      # the learner takes the idle cores
+    (1, 1, 2, {"learner": 1, "rollout-0": 1}),                      # smol-dense: one core each, no oversubscription
     (2, 2, 2, {"learner": 1, "rollout-0": 1, "rollout-1": 1}),      # make demo: one each
-    (2, 2, 16, {"learner": 8, "rollout-0": 4, "rollout-1": 4}),
+    (2, 2, 16, {"learner": 4, "rollout-0": 4, "rollout-1": 4}),
+    (1, 1, 16, {"learner": 8, "rollout-0": 8}),
+    (1, 2, 16, {"learner": 6, "rollout-0": 5, "rollout-1": 5}),     # the learner gets the rounding's cores
     (4, 1, 4, {"learner": 1, "rollout-0": 1}),
 ])
 def test_threads_follow_cores_and_placement(learners, rollers, cores, want):

@@ -24,8 +24,8 @@ gradient pass), ``tokens_per_s`` (prompt + response tokens of the batch per seco
 ``max_abs_logprob_diff`` (response-token log-probs before the step) and ``max_abs_grad_diff``
 (every parameter's gradient of the first pass). With ``--json`` the last line is one JSON object.
 
-``--attention`` picks ``learner.attention`` (auto: FlexAttention block masks on CUDA, sdpa
-on CPU); ``--profile N`` profiles N more steps with torch.profiler and writes its table of
+``--attention`` picks ``learner.attention`` (auto: FlexAttention block masks on CUDA,
+attention by segments on CPU); ``--profile N`` profiles N more steps with torch.profiler and writes its table of
 the top 25 kernels by self device time to ``--profile-out`` (kernel families and top kernels
 also go into the JSON).
 
@@ -58,8 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--response-len", type=int, default=24)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=1, help="timed steps per implementation")
-    # CPU sdpa with a mask keeps [heads, N, N] attention weights per layer: small rows there
-    p.add_argument("--budget", type=int, default=512, help="learner.max_tokens_per_microbatch")
+    # 4 groups (4 x ~245 tokens) per micro-batch: fewer, larger ops than 512 (0.6-0.7x the wall of a
+    # 2-thread 8 x 8 step under load); the activations of 2048 would push the peak memory up
+    p.add_argument("--budget", type=int, default=1024, help="learner.max_tokens_per_microbatch")
     p.add_argument("--impl", default="padded,shared", help="all, or a comma list of " + ", ".join(IMPLS))
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -68,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--synthetic-moe", action="store_true", help="the learner_step 1.31 B MoE instead of --model")
     p.add_argument("--prompt-len", type=int, default=0, help="random prompts of this length (0: chat arithmetic)")
     p.add_argument("--peak", type=float, default=790.0, help="bf16 peak TFLOP/s per device for mfu")
-    p.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex"), help="learner.attention")
+    p.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex", "segments"), help="learner.attention")
     p.add_argument("--flex-options", default="",
                    help="FlexAttention kernel_options to sweep, e.g. fwd_BLOCK_M=64,fwd_BLOCK_N=128,bwd_BLOCK_M1=64 "
                         "(names: streamrl.learner.attention.FLEX_OPTION_NAMES; empty: torch's choice)")
@@ -93,6 +94,9 @@ def make_config(args, impl: str):
         f"learner.activation_checkpointing={'true' if args.activation_checkpointing else 'false'}",
         f"rollout.max_new_tokens={args.response_len}", "rollout.temperature=1.0", "learner.lr=1e-6",
         "learner.aux_loss_coef=0", f"learner.max_tokens_per_microbatch={args.budget}",
+        # CPU: a micro-batch's response positions in one chunk, its logits kept for the backward
+        # (on CUDA the long rows' [chunk, vocab] logits would not fit: the config's chunk)
+        *([f"learner.logprob_chunk_tokens={args.budget}"] if args.device == "cpu" else []),
         f"learner.attention={args.attention}", f"learner.compile={'true' if args.compile else 'false'}",
         f"learner.shared_prompt={'true' if impl == 'shared' else 'false'}",
         # A bench batch of groups of one has no GRPO signal: the step must still run in full.

@@ -27,15 +27,16 @@ from torch import nn
 PACKED_ATTENTION = "streamrl_packed"
 """Name under which :func:`packed_attention_forward` is registered with transformers."""
 
-ATTENTION_CHOICES = ("auto", "sdpa", "flex")
+ATTENTION_CHOICES = ("auto", "sdpa", "flex", "segments")
 
 
 def resolve_attention(setting: str, device_type: str) -> str:
-    """``learner.attention`` -> ``"flex"`` or ``"sdpa"`` (``auto``: flex on CUDA, sdpa on CPU)."""
+    """``learner.attention`` -> ``"flex"``, ``"sdpa"`` or ``"segments"`` (``auto``: flex on CUDA,
+    segments on CPU, :mod:`streamrl.learner.segment_attention`)."""
     if setting not in ATTENTION_CHOICES:
         raise ValueError(f"learner.attention = {setting!r}: must be one of {ATTENTION_CHOICES}")
     if setting == "auto":
-        return "flex" if device_type == "cuda" else "sdpa"
+        return "flex" if device_type == "cuda" else "segments"
     return setting
 
 

@@ -29,6 +29,7 @@ from streamrl.learner.padded_reference import padded_routed_experts  # noqa: F40
 from streamrl.learner.moe_router import RouterController, router_metrics
 from streamrl.learner.objective import compute_policy_loss, kl_term
 from streamrl.learner.packing import MicroBatch, ResponseGrid, rank_microbatches, response_grid, response_positions
+from streamrl.learner.segment_attention import SegmentLayout, use_segment_attention
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.models.moe import find_moe_blocks
 from streamrl.parallel.expert_parallel import full_parameter, global_param_specs, parallelize
@@ -132,11 +133,12 @@ class Trainer:
         self.blocks = parallelize(model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision,
                                   compile_layers=lc.compile)
         self.model = model
-        # flex: packed rows get a BlockMask (masked tiles skipped); padded inputs still run sdpa.
+        # flex: packed rows get a BlockMask (masked tiles skipped); segments: each packed row's
+        # attention by segment (the CPU default); padded inputs run sdpa either way.
         self.attention = resolve_attention(lc.attention, self.device.type)
-        for m in (model, self.ref_model) if self.attention == "flex" else ():
+        for m in (model, self.ref_model) if self.attention in ("flex", "segments") else ():
             if m is not None:
-                use_packed_attention(m)
+                (use_packed_attention if self.attention == "flex" else use_segment_attention)(m)
         if lc.activation_checkpointing:
             checkpoint_decoder_layers(model)
         # Names and global shapes: the weights manifest is built from these (no value head:
@@ -274,18 +276,23 @@ class Trainer:
         per = math.ceil(len(mb) / self.world)
         rank_rows = [mb[min(r * per, len(mb)) : min((r + 1) * per, len(mb))] for r in range(self.world)]
         layers = len(self.blocks) if (lc.routing_replay and self.blocks) else 0
+        # A dense model leaves each sample's last token out of the rows (its output predicts
+        # nothing); an MoE keeps it for the router losses, which count every token.
         micro, weights = rank_microbatches(batch, rank_rows, self.rank, lc.max_tokens_per_microbatch, lc.shared_prompt,
-                                           layers, dense_mask=self.attention == "sdpa")
+                                           layers, dense_mask=self.attention == "sdpa", feed_last=self.is_moe)
         return [self._on_device(m) for m in micro], weights
 
     def _on_device(self, mb: MicroBatch) -> MicroBatch:
         """``mb`` on the learner's device (non-blocking copies; the step moves all of its
         micro-batches up front) with its FlexAttention ``BlockMask`` when ``attention`` is flex.
         A dense sdpa mask stays on the host until its forward (``[N, N]`` each)."""
-        has_block_mask = isinstance(mb.attention_mask, BlockMask)
+        has_block_mask = isinstance(mb.attention_mask, (BlockMask, SegmentLayout))
         if mb.input_ids.device == self.device and (self.attention == "sdpa" or has_block_mask):
             return mb
         moved = dataclasses.replace(mb, attention_mask=None).to(self.device)
+        if self.attention == "segments":
+            return dataclasses.replace(moved, attention_mask=SegmentLayout.from_ids(mb.segment_ids, mb.unit_ids
+                                                                                    ).to(self.device))
         if self.attention == "flex" and not one_causal_sequence(mb):
             return dataclasses.replace(moved, attention_mask=packed_block_mask(moved.segment_ids, moved.unit_ids))
         if self.attention == "flex":
@@ -313,11 +320,14 @@ class Trainer:
         for i, b in enumerate(self.blocks if policy else []):
             b.replay = None if mb.replay is None else mb.replay[:, i]
         mask = mb.attention_mask
+        layout = {"segment_layout": mask} if isinstance(mask, SegmentLayout) else {}
+        if layout:
+            mask = None  # transformers' own mask of the row is built but not read
         try:
             with response_head(model, req):
                 out = model(input_ids=mb.input_ids, position_ids=mb.position_ids,
                             attention_mask=mask.to(self.device) if isinstance(mask, torch.Tensor) else mask,
-                            use_cache=False, logits_to_keep=mb.select)
+                            use_cache=False, logits_to_keep=mb.select, **layout)
         finally:
             for b in self.blocks:
                 b.replay = None

@@ -1,0 +1,172 @@
+"""Attention over a packed row computed per segment: only the score tiles its mask can see (CPU).
+
+Why: on the sdpa path a packed row (:mod:`streamrl.learner.packing`) gets a dense
+``[1, 1, N, N]`` mask and the CPU kernel computes all ``N^2`` scores. A shared-prompt row of two
+groups (2 x (52 + 8 x 25) tokens) needs about 1/8 of them: each sample's segment sees its unit's
+prompt and itself, a prompt sees itself. On SmolLM2-135M at 2 x 8 samples the masked attention
+was 13 % of the CPU learner step (FlexAttention, which skips empty tiles, has no CPU backward).
+
+Here the row is cut into small dense problems, batched, and run through sdpa:
+
+* prompts: the ``U`` units' shared prompts, ``[U, Pmax]`` queries against themselves, causal;
+* segments: the ``S`` samples, ``[S, Lmax]`` queries against ``[S, Pmax + Lmax]`` keys
+  (their unit's prompt, then the segment itself, causal within the segment).
+
+Queries and keys are gathered from the row by index (the backward scatters their gradients
+back), padding is masked, and the outputs go back to row order by one gather. The rule is
+exactly that of :func:`streamrl.learner.attention.dense_packed_mask`; only the order of the
+additions in the softmax sums differs (float tolerance).
+
+The model runs with the attention implementation :data:`SEGMENT_ATTENTION`; the trainer
+passes a :class:`SegmentLayout` as the ``segment_layout`` keyword of the model's forward
+(transformers hands extra keywords down to the attention function). Without one (padded
+evaluation, the padded reference step) it is transformers' sdpa.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+SEGMENT_ATTENTION = "streamrl_segments"
+"""Name under which :func:`segment_attention_forward` is registered with transformers."""
+
+
+@dataclass
+class SegmentLayout:
+    """Index plan of one packed row (U units with a prompt, S segments, N row tokens).
+
+    prompt_q: [U, P] row index of each unit's prompt tokens (padding: any valid index)
+    prompt_mask: [U, 1, P, P] bool, causal within the prompt, padding hidden
+    seg_q: [S, L] row index of each segment's tokens
+    seg_k: [S, P + L] row index of the keys of each segment: its unit's prompt, then itself
+    seg_mask: [S, 1, L, P + L] bool
+    order: [N] where each row token's output sits in ``cat(prompt outputs, segment outputs)``
+        flattened over the valid (unpadded) queries
+    prompt_valid: [Vp] int64, seg_valid: [Vs] int64 -- the unpadded queries among the flattened
+        ``[U * P]`` / ``[S * L]`` outputs (integer indices: no data-dependent shapes in the forward)
+    """
+
+    prompt_q: torch.Tensor
+    prompt_mask: torch.Tensor
+    seg_q: torch.Tensor
+    seg_k: torch.Tensor
+    seg_mask: torch.Tensor
+    order: torch.Tensor
+    prompt_valid: torch.Tensor
+    seg_valid: torch.Tensor
+
+    @classmethod
+    def from_ids(cls, segment_ids: torch.Tensor, unit_ids: torch.Tensor) -> "SegmentLayout":
+        """The plan of a row from its per-token ids (``[N]`` int64 each, see ``MicroBatch``):
+        ``segment_ids`` -1 on a unit's shared prompt, else the sample; ``unit_ids`` the unit.
+        A unit's prompt tokens come before its segments, each segment is contiguous."""
+        seg, unit = segment_ids.tolist(), unit_ids.tolist()
+        prompts: dict[int, list[int]] = {}
+        segments: dict[int, list[int]] = {}
+        seg_unit: dict[int, int] = {}
+        for i, (s, u) in enumerate(zip(seg, unit)):
+            if s < 0:
+                prompts.setdefault(u, []).append(i)
+            else:
+                segments.setdefault(s, []).append(i)
+                seg_unit[s] = u
+        n = len(seg)
+        p_max = max((len(v) for v in prompts.values()), default=0)
+        l_max = max((len(v) for v in segments.values()), default=0)
+        units = list(prompts)  # units with at least one prompt token
+        prompt_q, prompt_ok = _pad_rows([prompts[u] for u in units], p_max)
+        seg_q, seg_ok = _pad_rows(list(segments.values()), l_max)
+        key_rows = [prompts.get(seg_unit[s], []) for s in segments]
+        pk, pk_ok = _pad_rows(key_rows, p_max)
+        seg_k = torch.cat([pk, seg_q], 1)
+        causal_l = torch.ones(l_max, l_max, dtype=torch.bool).tril()
+        seg_mask = torch.cat([pk_ok[:, None, :].expand(-1, l_max, -1),
+                              causal_l[None] & seg_ok[:, None, :]], 2)
+        prompt_mask = torch.ones(p_max, p_max, dtype=torch.bool).tril()[None] & prompt_ok[:, None, :]
+        # A padding query sees what the first query sees: no all-masked softmax row (NaN in the
+        # backward); its output is never read.
+        seg_mask = torch.where(seg_ok[:, :, None], seg_mask, seg_mask[:, :1])
+        prompt_mask = torch.where(prompt_ok[:, :, None], prompt_mask, prompt_mask[:, :1])
+        rows_in_order = torch.cat([prompt_q[prompt_ok], seg_q[seg_ok]])
+        assert rows_in_order.numel() == n, "every row token is a prompt or a segment query once"
+        order = torch.empty(n, dtype=torch.int64)
+        order[rows_in_order] = torch.arange(n)
+        return cls(prompt_q, prompt_mask[:, None], seg_q, seg_k, seg_mask[:, None], order,
+                   prompt_ok.reshape(-1).nonzero()[:, 0], seg_ok.reshape(-1).nonzero()[:, 0])
+
+    def to(self, device: torch.device) -> "SegmentLayout":
+        if device.type == "cpu":
+            return self
+        return SegmentLayout(**{k: v.to(device, non_blocking=True) for k, v in self.__dict__.items()})
+
+
+def _pad_rows(rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged index lists -> ``([R, width]`` int64 padded with the row's first index (0 when
+    empty), ``[R, width]`` bool valid)."""
+    idx = torch.zeros(len(rows), width, dtype=torch.int64)
+    ok = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        if row:
+            idx[r] = row[0]
+            idx[r, : len(row)] = torch.tensor(row)
+            ok[r, : len(row)] = True
+    return idx, ok
+
+
+def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SegmentLayout,
+                      scaling: float | None) -> torch.Tensor:
+    """Attention of one packed row by segments.
+
+    Args:
+        query: [1, Hq, N, D]; key, value: [1, Hkv, N, D] (grouped-query heads allowed).
+    Returns:
+        [1, N, Hq, D], as transformers' attention functions return it.
+    """
+    assert query.shape[0] == 1, "a packed micro-batch is one row"
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, H, D]
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for q_idx, k_idx, mask, valid in ((layout.prompt_q, layout.prompt_q, layout.prompt_mask, layout.prompt_valid),
+                                      (layout.seg_q, layout.seg_k, layout.seg_mask, layout.seg_valid)):
+        if q_idx.numel() == 0:
+            continue
+        qq = q[q_idx].transpose(1, 2)  # [R, H, Lq, D]
+        kk, vv = k[k_idx].transpose(1, 2), v[k_idx].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        outs.append(o.transpose(1, 2).flatten(0, 1)[valid])  # [valid queries, H, D]
+    return torch.cat(outs)[layout.order][None]
+
+
+def segment_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                              segment_layout: SegmentLayout | None = None, **kwargs):
+    """transformers attention function: by segments with a ``segment_layout``, else sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if segment_layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout > 0 and module.training:
+        raise ValueError("learner.attention = segments: the model has attention dropout; use learner.attention = sdpa")
+    return segment_attention(query, key, value, segment_layout, scaling), None
+
+
+@functools.cache
+def register_segment_attention() -> str:
+    """Register :data:`SEGMENT_ATTENTION` (attention function, and sdpa's mask builder for the
+    padded path) with transformers; idempotent. Returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(SEGMENT_ATTENTION, segment_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SEGMENT_ATTENTION, sdpa_mask)
+    return SEGMENT_ATTENTION
+
+
+def use_segment_attention(model: nn.Module) -> None:
+    """Switch ``model`` (a transformers model) to :data:`SEGMENT_ATTENTION`."""
+    model.set_attn_implementation(register_segment_attention())
