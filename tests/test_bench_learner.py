@@ -13,23 +13,26 @@ import pytest
 from test_checkpoint import REPO
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
+def save_tiny_llama(folder, hidden_size: int, head_dim: int):
+    """A random 2-layer dense Llama (2 query heads, 1 KV head) with the character tokenizer, saved to ``folder``."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from streamrl.models.tokenizer import build_char_tokenizer
 
-    import torch
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
     tok = build_char_tokenizer()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, tie_word_embeddings=True,
                       pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), hidden_size=32, head_dim=16)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from streamrl.learner.padded_reference import padded_step
 from streamrl.learner.segment_attention import SegmentLayout, segment_attention
 from streamrl.learner.trainer import Trainer
 
+from test_bench_learner import save_tiny_llama
 from test_checkpoint import REPO
 from test_packing import group_batch
 
@@ -65,19 +66,7 @@ def test_layout_of_packed_microbatches():
 
 @pytest.fixture(scope="module")
 def dense_folder(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from streamrl.models.tokenizer import build_char_tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tok = build_char_tokenizer()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), hidden_size=64, head_dim=32)
 
 
 @pytest.mark.parametrize("extra", [

@@ -112,20 +112,20 @@ def _eager_flex():
 
 
 @functools.cache
-def register_packed_attention() -> str:
-    """Register :data:`PACKED_ATTENTION` (attention function, and sdpa's mask builder for the
-    padded path) with transformers; idempotent. Returns the name."""
+def register_attention(name: str, forward) -> str:
+    """Register ``forward`` as attention ``name`` with transformers, with sdpa's mask builder for
+    the padded path (evaluation, the padded reference); idempotent. Returns the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
-    return PACKED_ATTENTION
+    AttentionInterface.register(name, forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name
 
 
 def use_packed_attention(model: nn.Module) -> None:
     """Switch ``model`` (a transformers model, sharded or not) to :data:`PACKED_ATTENTION`."""
-    model.set_attn_implementation(register_packed_attention())
+    model.set_attn_implementation(register_attention(PACKED_ATTENTION, packed_attention_forward))
 
 
 def packed_block_mask(segment_ids: torch.Tensor, unit_ids: torch.Tensor):

@@ -24,12 +24,13 @@ evaluation, the padded reference step) it is transformers' sdpa.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from streamrl.learner.attention import register_attention
 
 SEGMENT_ATTENTION = "streamrl_segments"
 """Name under which :func:`segment_attention_forward` is registered with transformers."""
@@ -155,18 +156,6 @@ def segment_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     return segment_attention(query, key, value, segment_layout, scaling), None
 
 
-@functools.cache
-def register_segment_attention() -> str:
-    """Register :data:`SEGMENT_ATTENTION` (attention function, and sdpa's mask builder for the
-    padded path) with transformers; idempotent. Returns the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(SEGMENT_ATTENTION, segment_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(SEGMENT_ATTENTION, sdpa_mask)
-    return SEGMENT_ATTENTION
-
-
 def use_segment_attention(model: nn.Module) -> None:
     """Switch ``model`` (a transformers model) to :data:`SEGMENT_ATTENTION`."""
-    model.set_attn_implementation(register_segment_attention())
+    model.set_attn_implementation(register_attention(SEGMENT_ATTENTION, segment_attention_forward))
