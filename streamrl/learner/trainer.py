@@ -286,8 +286,8 @@ class Trainer:
         """``mb`` on the learner's device (non-blocking copies; the step moves all of its
         micro-batches up front) with its FlexAttention ``BlockMask`` when ``attention`` is flex.
         A dense sdpa mask stays on the host until its forward (``[N, N]`` each)."""
-        has_block_mask = isinstance(mb.attention_mask, (BlockMask, SegmentLayout))
-        if mb.input_ids.device == self.device and (self.attention == "sdpa" or has_block_mask):
+        has_row_mask = isinstance(mb.attention_mask, (BlockMask, SegmentLayout))  # built on the device
+        if mb.input_ids.device == self.device and (self.attention == "sdpa" or has_row_mask):
             return mb
         moved = dataclasses.replace(mb, attention_mask=None).to(self.device)
         if self.attention == "segments":
