@@ -269,3 +269,33 @@ def test_decode_step_traces_whole_without_graph_breaks(tiny):
     got = eng.generate(prompts, 8, 0.0)
     assert got.tokens == ref.tokens
     assert all(torch.equal(a, b) for a, b in zip(got.routed_experts, ref.routed_experts))
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_compiles_at_most_twice_over_spans(tiny):
+    """The compiled decode step (what CUDA graphs capture, once per span bucket) recompiles once
+    with the span symbolic, not once per bucket, and decodes what the plain step decodes."""
+    from torch._dynamo.utils import counters
+
+    model, tok = tiny
+    prompts = _prompts(2, seed=7)
+    spans = [16, 24, 32, 40]
+
+    def decode(compiled: bool) -> list[torch.Tensor]:
+        eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=48, compile=compiled)
+        if compiled:
+            eng._compile_decode()
+        with torch.no_grad(), eng._impl():
+            eng.max_new.fill_(len(spans))
+            eng._prefill([0, 1], prompts, True)
+            for span in spans:
+                eng._decode_fn(span, True)
+        return [eng.out_tok.clone(), eng.out_lp.clone()]
+
+    torch._dynamo.reset()
+    counters.clear()
+    got = decode(True)
+    assert counters["stats"]["unique_graphs"] <= 2
+    ref = decode(False)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=0)

@@ -339,13 +339,24 @@ class FastHFEngine:
             self.graphs[key] = self._capture(span, greedy)
         self.graphs[key].replay()
 
+    def _compile_decode(self) -> None:
+        """Run the decode step through ``torch.compile`` from now on.
+
+        ``dynamic=None`` (automatic dynamic shapes): the first graph is specialised to the first
+        span; the first step with another span recompiles once with the span symbolic, and every
+        later span reuses that graph. With ``dynamic=False`` each span bucket was a compile of its
+        own: 9 buckets x ~20 s for 1,088 positions on the H200, over 3 minutes before a worker's
+        first 1k-token batch (``gpu-long.yaml``).
+        """
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+        self._decode_fn, self._compiled = torch.compile(self._decode, dynamic=None), True
+
     def _capture(self, span: int, greedy: bool) -> torch.cuda.CUDAGraph:
         """Warm up on a side stream (state saved and restored), then capture one decode step."""
         state = [self.tok, self.pos, self.gen, self.done, self.out_tok, self.out_lp]
         saved = [t.clone() for t in state]
         if self.compile and not self._compiled:
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-            self._decode_fn, self._compiled = torch.compile(self._decode, dynamic=False), True
+            self._compile_decode()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
