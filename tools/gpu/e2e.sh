@@ -22,12 +22,16 @@ timeout ${E2E_TIMEOUT:-530} python3 -m streamrl.bench.cli e2e --config "$CONFIG"
   --steps "$STEPS" --repeats "$REPEATS" --out "$E2E" --json "$@" 2>&1 | tail -20
 for f in result.json async_vs_sync.png; do cp "$E2E/$f" "$OUT/$TAG/" 2>/dev/null; done
 for d in "$E2E"/sync* "$E2E"/async*; do
+  [ -d "$d" ] || continue   # async_vs_sync.png matches async*
   r=$(basename "$d")
   cp "$d/metrics.jsonl" "$OUT/$TAG/$r-metrics.jsonl" 2>/dev/null
   { grep -m1 -B5 -A60 "^Traceback" "$d/logs/learner.log"; echo ...; tail -30 "$d/logs/learner.log"; } \
     > "$OUT/$TAG/$r-learner.log" 2>/dev/null
-  for w in "$d"/logs/rollout*.log; do tail -15 "$w" > "$OUT/$TAG/$r-$(basename "$w")" 2>/dev/null; done
+  for w in "$d"/logs/rollout*.log; do [ -f "$w" ] || continue; tail -15 "$w" > "$OUT/$TAG/$r-$(basename "$w")" 2>/dev/null; done
 done
+# The device returns at most 8 files: keep result.json and the figure, bundle the per-run files.
+(cd "$OUT/$TAG" && tar czf "/tmp/$TAG-runs.tgz" --exclude=result.json --exclude=async_vs_sync.png . \
+  && find . -type f ! -name result.json ! -name async_vs_sync.png -delete && mv "/tmp/$TAG-runs.tgz" runs.tgz)
 E2E=$E2E python3 - <<'PY' 2>/dev/null
 import json, os; r = json.load(open(os.environ["E2E"] + "/result.json"))
 for run in r["runs"]:
