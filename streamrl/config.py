@@ -227,7 +227,7 @@ class RolloutConfig:
     """hf_fast paged: KV block pool in MiB (0 = as many positions as the static cache); a full pool preempts."""
     paged_attention: str = "gather"
     """hf_fast paged: 'gather' (copy each slot's blocks into a contiguous span per layer) or 'flex' (FlexAttention
-    reads the pool in place through a block mask; always compiled; not yet measured on a GPU)."""
+    reads the pool in place through a block mask; always compiled; CPU only: it failed its CUDA parity test)."""
     max_model_len: int = 512
     """vllm and hf_fast: longest prompt + response in tokens (hf_fast sizes its KV cache by it)."""
     gpu_memory_utilization: float = 0.5
@@ -261,6 +261,8 @@ class RolloutConfig:
                "must be 'gather' or 'flex'")
         _check(self.paged_attention == "gather" or self.kv_cache == "paged", f"{p}.paged_attention",
                self.paged_attention, "'flex' reads the paged pool: needs rollout.kv_cache = 'paged'")
+        _check(self.paged_attention == "gather" or not self.device.startswith("cuda"), f"{p}.paged_attention",
+               self.paged_attention, "'flex' failed its CUDA parity test (tests/test_hf_fast_paged.py): use 'gather' on CUDA")
         _check(self.max_model_len >= 2, f"{p}.max_model_len", self.max_model_len, "must be >= 2")
         _check(0 < self.gpu_memory_utilization <= 1, f"{p}.gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")
