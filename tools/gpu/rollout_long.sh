@@ -54,14 +54,16 @@ bench() {  # bench NAME ESTIMATE_S ARGS...: one JSON line, or a skip/error line
     echo "{\"case\": \"$name\", \"error\": \"failed or timed out (limit ${left}s); see $name-$KV.err\"}" | tee -a "$JSONL"
   fi
 }
+# Span buckets: the compiled decode step takes every span with one graph (session 7), so buckets cost only
+# CUDA-graph captures; small buckets attend fewer unwritten positions (session 7 ran 1k with 512: 5.49x).
 SMOL=(--model-path /tmp/smol --dtype float32 --batch 64 --prompt-len 64 --new-tokens 256)
 bench smol-eager 60 "${SMOL[@]}" --no-compile
 bench smol-compiled 120 "${SMOL[@]}"
-bench moe1b-b256-1k 150 --preset moe-1b --batch 256 --prompt-len 128 --new-tokens 1024 --span-bucket 512 "${GEN[@]}"
-bench moe1b-b64-1k 120 --preset moe-1b --batch 64 --prompt-len 128 --new-tokens 1024 --span-bucket 512 "${GEN[@]}"
-bench moe1b-b256-4k 180 --preset moe-1b --batch 256 --prompt-len 128 --new-tokens 4096 --span-bucket 1024 \
+bench moe1b-b256-1k 150 --preset moe-1b --batch 256 --prompt-len 128 --new-tokens 1024 --span-bucket 128 "${GEN[@]}"
+bench moe1b-b64-1k 120 --preset moe-1b --batch 64 --prompt-len 128 --new-tokens 1024 --span-bucket 128 "${GEN[@]}"
+bench moe1b-b256-4k 180 --preset moe-1b --batch 256 --prompt-len 128 --new-tokens 4096 --span-bucket 256 \
   --skip-generate
-bench moe1b-b64-4k 150 --preset moe-1b --batch 64 --prompt-len 128 --new-tokens 4096 --span-bucket 1024 \
+bench moe1b-b64-4k 150 --preset moe-1b --batch 64 --prompt-len 128 --new-tokens 4096 --span-bucket 256 \
   --skip-generate
 bench moe1b-b256-8k-spread 200 --preset moe-1b --batch 256 --prompt-len 128 --new-tokens 8064 --span-bucket 1024 \
   --skip-generate --spread-lengths
