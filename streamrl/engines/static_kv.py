@@ -151,6 +151,9 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, top_k:
             drop = (probs.cumsum(dim=-1) - probs) > top_p  # mass before a token; the top one stays
             z = torch.empty_like(z).scatter_(-1, si, sz.masked_fill(drop, float("-inf")))
         logp = F.log_softmax(z, dim=-1)
-        # Gumbel-max in exponential form: argmax p / E, E ~ Exp(1), is a draw from p.
-        tok = (logp.exp() / torch.empty_like(logp).exponential_()).argmax(dim=-1)
+        # Gumbel-max in exponential form: argmax p / E, E ~ Exp(1), is a draw from p. E = -log U,
+        # U ~ Uniform[0, 1): ~3x cheaper than exponential_() on the CPU ([64, 49152], 1 thread:
+        # ~56 vs 160-200 ms per decode step, 14 % of a SmolLM2 worker's batch); U = 0 gives
+        # E = inf, which only leaves out that token for that draw (p ~ 6e-8).
+        tok = (logp.exp() / torch.rand_like(logp).log_().neg_()).argmax(dim=-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
