@@ -7,6 +7,7 @@ needs. Every check waits on state (the lender's offer), never on a fixed sleep."
 from __future__ import annotations
 
 import argparse
+import socket
 import threading
 import time
 
@@ -114,3 +115,30 @@ def test_make_core_lender_only_where_cores_can_be_lent(redis_url, run_id, monkey
     assert make_core_lender(cfg, coord, 1) is None  # the placement left nothing to lend (GPU or no workers)
     with pytest.raises(ConfigError, match="placement.lend_idle_cores"):
         load_config("configs/smol-dense.yaml", ["placement.lend_idle_cores=3"])
+
+
+@pytest.mark.timeout(60)
+def test_no_lending_while_other_processes_keep_the_cores_busy(redis_url, run_id):
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from streamrl.learner.core_lending import HostLoad  # noqa: PLC0415
+
+    coord = Coordinator(redis_url, run_id)
+    coord.heartbeat(0, {"host": socket.gethostname(), "state": "waiting_admission", "threads": 1})
+    load = HostLoad.open()
+    assert load is not None  # Linux: /proc/stat
+    lender = CoreLender(coord, 1, lendable=1, host_load=load)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:  # another tenant on every core: the waiting worker's core is not free, nothing is lent
+        deadline = time.monotonic() + 30
+        while lender.others_busy < load.cpus - 0.5:
+            assert time.monotonic() < deadline, lender.others_busy
+            lender.poll()
+            time.sleep(0.05)
+        assert lender.offer == 0
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
