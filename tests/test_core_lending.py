@@ -109,7 +109,8 @@ def test_make_core_lender_only_where_cores_can_be_lent(redis_url, run_id, monkey
         assert lender is not None and lender.lendable == 1  # the host's worker threads split over its ranks
     finally:
         lender.close()
-    assert make_core_lender(load_config("configs/smol-dense.yaml", ["placement.lend_idle_cores=false"]), coord, 1) is None
+    off = load_config("configs/smol-dense.yaml", ["placement.lend_idle_cores=false"])
+    assert make_core_lender(off, coord, 1) is None
     assert make_core_lender(cfg, coord, local_ranks=3) is None  # less than one thread per rank
     monkeypatch.delenv(LENDABLE_ENV)
     assert make_core_lender(cfg, coord, 1) is None  # the placement left nothing to lend (GPU or no workers)

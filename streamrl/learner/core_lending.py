@@ -3,9 +3,10 @@
 Why: on a small CPU host (2 cores, 1 learner + 1 worker, one core each by
 :func:`streamrl.placement.assign_threads`) the learner is the bottleneck, and the worker spends
 a large part of each learner step blocked in admission control (the staleness limit) with its
-core idle (40-55 % of the step in the loop of ``configs/smol-dense.yaml``). A fixed 2-thread learner beside the worker is slower (the threads fight the worker's
-while it generates), so the learner borrows the worker's threads only while the worker says
-it does not need them, and gives them back as soon as it starts generating.
+core idle (40-55 % of the step in the loop of ``configs/smol-dense.yaml``; generating its 8 x 8
+batch takes the rest). A fixed 2-thread learner beside the worker is slower (the threads fight
+the worker's while it generates), so the learner borrows the worker's threads only while the
+worker says it does not need them, and gives them back as soon as it starts generating.
 
 How:
 
