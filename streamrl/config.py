@@ -488,6 +488,8 @@ class PlacementConfig:
     """Intra-op threads per learner rank; 0 = the cores the host's rollout workers leave / its learner ranks (see placement.assign_threads)."""
     rollout_threads: int = 0
     """Intra-op threads per rollout worker; 0 = the host's cores / all its processes (at least 1)."""
+    lend_idle_cores: bool = True
+    """CPU learner: borrow the threads of this host's CPU rollout workers while they wait (admission, backpressure)."""
 
     def validate(self, p: str) -> None:
         from streamrl.placement import validate_placement_config  # noqa: PLC0415 (no import cycle)
@@ -495,6 +497,8 @@ class PlacementConfig:
         validate_placement_config(self, p)
         for name in ("learner_threads", "rollout_threads"):
             _check(getattr(self, name) >= 0, f"{p}.{name}", getattr(self, name), "must be >= 0 (0 = auto)")
+        _check(isinstance(self.lend_idle_cores, bool), f"{p}.lend_idle_cores", self.lend_idle_cores,
+               "must be true or false")
 
 
 @dataclass

@@ -369,6 +369,9 @@ def assign_threads(plan: NodePlan, cores: int, learner_threads: int = 0, rollout
       than cores, or fixed counts) the processes are told to sleep rather than spin while
       waiting for work (``OMP_WAIT_POLICY=PASSIVE``), so a blocked process's thread pool does
       not burn the cores another one needs.
+    * a CPU learner is told how many threads this host's CPU workers hold
+      (``STREAMRL_LENDABLE_THREADS``): with ``placement.lend_idle_cores`` it borrows them while
+      those workers wait (:mod:`streamrl.learner.core_lending`), and never more.
 
     Args:
         plan: this host's plan; each process's ``env`` is updated in place.
@@ -387,8 +390,8 @@ def assign_threads(plan: NodePlan, cores: int, learner_threads: int = 0, rollout
         >>> crowded = plan_node(PlacementConfig(), learners=1, rollers=3)
         >>> assign_threads(crowded, cores=2)
         {'learner': 1, 'rollout-0': 1, 'rollout-1': 1, 'rollout-2': 1}
-        >>> crowded.learner.env["OMP_WAIT_POLICY"]
-        'PASSIVE'
+        >>> crowded.learner.env["OMP_WAIT_POLICY"], crowded.learner.env["STREAMRL_LENDABLE_THREADS"]
+        ('PASSIVE', '3')
     """
     ranks = len(plan.learner.devices) if plan.learner is not None else 0
     procs = ranks + len(plan.rollouts)
@@ -404,4 +407,8 @@ def assign_threads(plan: NodePlan, cores: int, learner_threads: int = 0, rollout
         p.env["STREAMRL_THREADS"] = p.env["OMP_NUM_THREADS"] = str(sizes[p.name])
         if total > cores:
             p.env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if plan.learner is not None and plan.learner.devices[0].kind == "cpu":
+        # what a CPU learner may borrow while these workers wait (streamrl.learner.core_lending)
+        plan.learner.env["STREAMRL_LENDABLE_THREADS"] = str(
+            sum(sizes[r.name] for r in plan.rollouts if r.devices[0].kind == "cpu"))
     return sizes

@@ -3,7 +3,9 @@
     python tools/loop_rate.py runs/smol-dense [--skip 2]
 
 ``samples_per_s``: trained samples between the first kept learner step and the last, over
-the wall time between them; also the learner's idle share and median step/compute seconds.
+the wall time between them; also the learner's idle share and median step/compute seconds,
+and with core lending on, the median share of a step the learner ran with a waiting worker's
+threads (``lent_pct_median``) and the share the colocated workers were idle (``workers_idle_pct_median``).
 """
 from __future__ import annotations
 
@@ -26,10 +28,17 @@ def main() -> int:
     samples = recs[-1]["learner/samples"] - recs[0]["learner/samples"]
     idle = sum(r.get("learner/idle_s", 0.0) for r in recs[1:])
     busy = sum(r.get("learner/step_s", 0.0) for r in recs[1:])
-    print(json.dumps({"samples_per_s": round(samples / wall, 3), "steps_measured": len(recs) - 1,
-                      "step_wall_s_median": round(statistics.median(b["wall_s"] - x["wall_s"] for x, b in zip(recs, recs[1:])), 2),
-                      "learner_compute_s_median": round(statistics.median(r.get("learner/compute_s", 0.0) for r in recs[1:]), 2),
-                      "learner_idle_pct": round(100 * idle / max(idle + busy, 1e-9), 1)}))
+    out = {"samples_per_s": round(samples / wall, 3), "steps_measured": len(recs) - 1,
+           "step_wall_s_median": round(statistics.median(b["wall_s"] - x["wall_s"] for x, b in zip(recs, recs[1:])), 2),
+           "learner_compute_s_median": round(statistics.median(r.get("learner/compute_s", 0.0) for r in recs[1:]), 2),
+           "learner_idle_pct": round(100 * idle / max(idle + busy, 1e-9), 1)}
+    # core lending (placement.lend_idle_cores): share of each step the learner ran with a colocated
+    # worker's threads, and the share of it the worker(s) sat idle (admission/backpressure)
+    for key, name in (("learner/lent_frac", "lent_pct"), ("learner/workers_idle_frac", "workers_idle_pct")):
+        vals = [r[key] for r in recs[1:] if key in r]
+        if vals:
+            out[f"{name}_median"] = round(100 * statistics.median(vals), 1)
+    print(json.dumps(out))
     return 0
 
 

@@ -27,6 +27,7 @@ from streamrl.config import config_from_dict, load_config
 from streamrl.coord.coordinator import Coordinator
 from streamrl.learner.checkpoint import checkpoint_dir
 from streamrl.learner.checkpointer import Checkpointer, RunProgress
+from streamrl.learner.core_lending import make_core_lender
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.intake import Intake
 from streamrl.learner.trainer import Trainer
@@ -57,6 +58,10 @@ def main(argv=None) -> int:
     if cfg is None:
         return 2
     trainer = Trainer(cfg)
+    # borrow idle colocated workers' cores: per decoder layer (hooks) and between steps
+    lender = make_core_lender(cfg, coord, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if lender is not None:
+        lender.attach(trainer.model)
     intake = publisher = report = None
     if rank == 0:
         intake, publisher = _bind(args, cfg, coord, log)
@@ -83,9 +88,14 @@ def main(argv=None) -> int:
                 break
             batch = broadcast_batch(batch)
             t_step = time.perf_counter()
+            if lender is not None:
+                lender.apply()
             metrics = trainer.step(batch)
             run.version += 1
             run.step += 1
+            if lender is not None:
+                lender.apply()
+                metrics.update(lender.metrics())
             if run.step % cfg.learner.publish_interval == 0 or run.step == cfg.run.steps:
                 metrics.update(publish(trainer, publisher, run.version))
             if rank == 0:
@@ -96,6 +106,8 @@ def main(argv=None) -> int:
         status, clean = "failed", False
         raise
     finally:
+        if lender is not None:
+            lender.close()
         if rank == 0:
             report.finish(run, status, resumed_step)
         if dist.is_initialized():

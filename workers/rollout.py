@@ -190,6 +190,7 @@ class RolloutWorker:
         self.counter = 0
         self.stopping = False
         self.state = "starting"
+        self.threads = torch.get_num_threads()  # read here: the heartbeat thread's own count is not this one
         self.host = socket.gethostname()
         self._last_poll = 0.0
         self.inflight_loads = 0
@@ -260,6 +261,7 @@ class RolloutWorker:
             "host": self.host, "pid": os.getpid(), "device": self.cfg.rollout.device,
             "version": self.subscriber.loaded_version, "state": self.state, "incarnation": self.incarnation,
             "engine": self.cfg.rollout.engine,
+            "threads": self.threads,  # what a colocated CPU learner may borrow while this worker waits
         }, ttl_s=HEARTBEAT_TTL_S)
 
     def _heartbeat_loop(self, done: threading.Event) -> None:

@@ -1,0 +1,244 @@
+"""Core lending: the learner runs with the cores its colocated rollout workers leave idle.
+
+Why: on a small CPU host (2 cores, 1 learner + 1 worker, one core each by
+:func:`streamrl.placement.assign_threads`) the learner is the bottleneck, and the worker spends
+a large part of each learner step blocked in admission control (the staleness limit) with its
+core idle (40-55 % of the step in the loop of ``configs/smol-dense.yaml``; generating its 8 x 8
+batch takes the rest). A fixed 2-thread learner beside the worker is slower (the threads fight
+the worker's while it generates), so the learner borrows the worker's threads only while the
+worker says it does not need them, and gives them back as soon as it starts generating.
+
+How:
+
+* The placement tells the learner how many intra-op threads this host's CPU rollout workers
+  were given (``STREAMRL_LENDABLE_THREADS``, set by ``assign_threads``): no more is ever lent.
+* A daemon thread polls the worker heartbeats in Redis every ``poll_s`` (one MGET; the worker
+  writes its heartbeat at once on every state change) and keeps the offer: the threads of
+  colocated workers (same host) in an idle state, ``waiting_admission`` or ``backpressure``.
+  A worker in any other state (generating, loading weights, starting) or with no live
+  heartbeat lends nothing. The training thread never touches Redis.
+* Idle by the heartbeat is not enough on a shared host: another tenant's process may run on
+  the worker's core, and a borrowed thread that is descheduled makes every parallel op of the
+  learner wait for it (2 learner threads under outside load ran a step ~2x slower than 1). So
+  the poller also measures, from ``/proc/stat`` over the last ``LOAD_WINDOW_S``, the cores the
+  host's *other* processes keep busy, and lends only the cores that are really free
+  (:class:`HostLoad`; without ``/proc/stat`` the heartbeats alone decide).
+* The training thread calls :meth:`CoreLender.apply` at cheap points: before each decoder
+  layer's forward and before its backward (hooks from :meth:`CoreLender.attach`), and between
+  steps. ``torch.set_num_threads`` must run on the training thread itself (OpenMP keeps the
+  thread count per calling thread); it costs a few microseconds and only runs on a change.
+  Give-back latency is therefore one poll plus one decoder layer (~0.1-0.3 s on SmolLM2-135M).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import torch
+from torch import nn
+
+from streamrl.parallel.expert_parallel import decoder_layers
+
+log = logging.getLogger(__name__)
+# Worker heartbeat states (workers/rollout.py) in which it does no compute: blocked in
+# admission control, or blocked on a full trajectory socket.
+IDLE_STATES = frozenset({"waiting_admission", "backpressure"})
+LENDABLE_ENV = "STREAMRL_LENDABLE_THREADS"
+POLL_S = 0.05
+LOAD_WINDOW_S = 0.5
+# A core counts as free when others use less than this much of it (the waiting worker's
+# admission polls and Redis take ~0.05-0.1 of a core).
+FREE_SLACK = 0.3
+
+
+def lendable_threads() -> int:
+    """Threads this host's CPU rollout workers were placed with (0: nothing may be lent)."""
+    return int(os.environ.get(LENDABLE_ENV, "0") or 0)
+
+
+class HostLoad:
+    """Cores kept busy by the host's other processes (all but this one), over the last ``window_s``.
+
+    From ``/proc/stat`` (every CPU's busy jiffies) minus this process's own CPU time
+    (``os.times()``, all its threads). :meth:`open` returns None where ``/proc/stat`` is missing.
+    """
+
+    def __init__(self, window_s: float = LOAD_WINDOW_S):
+        self.window_s = window_s
+        self.cpus = os.cpu_count() or 1
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._samples: list[tuple[float, float, float]] = []  # (wall, host busy CPU-s, own CPU-s)
+
+    @classmethod
+    def open(cls, window_s: float = LOAD_WINDOW_S) -> HostLoad | None:
+        try:
+            load = cls(window_s)
+            load.sample()
+            return load
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def sample(self) -> float | None:
+        """Take a sample; returns the other processes' busy cores over the window (None: too few samples)."""
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        busy = (sum(fields[:8]) - idle) / self._tick  # user..steal; guest time is inside user
+        own = sum(os.times()[:2])
+        now = time.monotonic()
+        self._samples.append((now, busy, own))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
+            self._samples.pop(0)  # keep the newest sample at least a window old
+        t0, busy0, own0 = self._samples[0]
+        if now - t0 < self.window_s / 2:
+            return None
+        return max(0.0, ((busy - busy0) - (own - own0)) / (now - t0))
+
+
+class CoreLender:
+    """Lends the learner rank the intra-op threads of colocated idle workers.
+
+    Args:
+        coord: a :class:`~streamrl.coord.coordinator.Coordinator` (its Redis client is used from
+            the polling thread only).
+        base_threads: the rank's own threads (``torch.get_num_threads()`` at start).
+        lendable: most threads this rank may borrow (the placement's share for this rank).
+        host: the host name workers report in their heartbeats (default: this host).
+        poll_s: seconds between heartbeat polls.
+        host_load: the host's other processes' load (:class:`HostLoad`); only cores they leave
+            free are lent. None: the heartbeats alone decide (no ``/proc/stat``).
+    """
+
+    def __init__(self, coord, base_threads: int, lendable: int, host: str | None = None, poll_s: float = POLL_S,
+                 host_load: HostLoad | None = None):
+        assert base_threads >= 1 and lendable >= 0, (base_threads, lendable)
+        self.coord, self.base, self.lendable, self.poll_s = coord, base_threads, lendable, poll_s
+        self.host_load = host_load
+        self.others_busy = 0.0
+        """Cores the host's other processes kept busy over the last window (0 without host_load)."""
+        self.host = host or socket.gethostname()
+        self.offer = 0
+        """Threads the idle colocated workers leave now (written by the poller, read by apply)."""
+        self.threads = base_threads
+        """Threads the training thread runs with now."""
+        self.switches = 0
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._hooks: list = []
+        now = time.monotonic()
+        self._t_apply = self._t_poll = self._t_window = now
+        self._lent_thread_s = self._lent_s = 0.0  # training-thread time with lent threads (weighted / any)
+        self._idle_s = 0.0  # poller: time every colocated worker was idle
+        self._others_s = 0.0  # poller: other processes' busy cores x time
+
+    # -- the polling thread ------------------------------------------------------------------
+    def start(self) -> CoreLender:
+        self._thread = threading.Thread(target=self._poll_loop, name="core-lender", daemon=True)
+        self._thread.start()
+        return self
+
+    def poll(self) -> int:
+        """Read the heartbeats once and update :attr:`offer`; returns it."""
+        try:
+            beats = self.coord.workers()
+        except Exception as e:  # noqa: BLE001 - Redis down: lend nothing until it is back
+            log.debug("core lending: heartbeat poll failed: %s", e)
+            beats = {}
+        here = [hb for hb in beats.values() if hb is not None and hb.get("host") == self.host]
+        idle = [hb for hb in here if hb.get("state") in IDLE_STATES]
+        now = time.monotonic()
+        if here and len(idle) == len(here):
+            self._idle_s += now - self._t_poll
+        self._others_s += self.others_busy * (now - self._t_poll)
+        self._t_poll = now
+        offer = min(self.lendable, sum(int(hb.get("threads", 1)) for hb in idle))
+        if self.host_load is not None:
+            busy = self.host_load.sample()
+            if busy is None:  # not a full window yet: keep the previous reading
+                busy = self.others_busy
+            self.others_busy = busy
+            free = int(self.host_load.cpus - self.base - busy + FREE_SLACK)
+            offer = max(0, min(offer, free))
+        self.offer = offer
+        return self.offer
+
+    def _poll_loop(self) -> None:
+        while not self._done.wait(self.poll_s):
+            self.poll()
+
+    def close(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.offer = 0
+        self.apply()
+
+    # -- the training thread -----------------------------------------------------------------
+    def apply(self) -> int:
+        """Run with ``base + offer`` threads from now on (training thread only); returns the count."""
+        want = self.base + self.offer
+        if want != self.threads:
+            now = time.monotonic()
+            self._account(now)
+            torch.set_num_threads(want)
+            self.threads = want
+            self.switches += 1
+        return self.threads
+
+    def _account(self, now: float) -> None:
+        lent, dt = self.threads - self.base, now - self._t_apply
+        self._lent_thread_s += lent * dt
+        self._lent_s += dt if lent > 0 else 0.0
+        self._t_apply = now
+
+    def attach(self, model: nn.Module) -> int:
+        """Call :meth:`apply` before every decoder layer's forward and backward; returns the layer count."""
+        layers = decoder_layers(model)
+        for layer in layers:
+            self._hooks.append(layer.register_forward_pre_hook(self._before_forward))
+            self._hooks.append(layer.register_forward_hook(self._after_forward))
+        return len(layers)
+
+    def _before_forward(self, module, args) -> None:
+        self.apply()
+
+    def _after_forward(self, module, args, output) -> None:
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._before_backward)  # runs when the layer's output grad is ready
+
+    def _before_backward(self, grad: torch.Tensor) -> None:
+        self.apply()
+
+    def metrics(self) -> dict[str, float]:
+        """Since the last call: share of time the training thread ran with lent threads, mean lent
+        threads, share of time every colocated worker was idle, thread switches, and the mean
+        cores the host's other processes (the workers included) kept busy (0 without host_load)."""
+        now = time.monotonic()
+        self._account(now)
+        span = max(now - self._t_window, 1e-9)
+        out = {"learner/lent_frac": self._lent_s / span, "learner/lent_threads_mean": self._lent_thread_s / span,
+               "learner/workers_idle_frac": min(1.0, self._idle_s / span), "learner/lend_switches": self.switches,
+               "learner/others_busy_cores": self._others_s / span}
+        self._lent_s = self._lent_thread_s = self._idle_s = self._others_s = 0.0
+        self.switches = 0
+        self._t_window = now
+        return out
+
+
+def make_core_lender(cfg, coord, local_ranks: int) -> CoreLender | None:
+    """The rank's lender when ``placement.lend_idle_cores`` is on and the placement left this host's
+    worker threads to lend (CPU learner and workers on one host); None otherwise. Started."""
+    lendable = lendable_threads() // max(local_ranks, 1)
+    if not cfg.placement.lend_idle_cores or lendable < 1 or not cfg.learner.device.startswith("cpu"):
+        return None
+    lender = CoreLender(coord, torch.get_num_threads(), lendable, host_load=HostLoad.open()).start()
+    log.info("core lending on: %d thread(s) of its own, up to %d borrowed from idle colocated workers",
+             lender.base, lendable)
+    return lender
