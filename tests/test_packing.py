@@ -128,8 +128,11 @@ def test_microbatch_layout_and_logprobs():
     assert all(len(units) == 1 and len(units[0]) == 1 for units in small)
 
 
-@pytest.mark.parametrize("temperature,chunk,bias", [(1.0, 4, False), (0.7, 5, True), (1.3, 100, False)])
-def test_chunked_logprobs_equal_full(temperature, chunk, bias):
+@pytest.mark.parametrize("temperature,chunk,bias,grads", [
+    (1.0, 4, False, "both"), (0.7, 5, True, "both"), (1.3, 100, False, "both"),
+    # one chunk (its logits kept and overwritten by the backward), with each gradient term alone
+    (1.0, 100, True, "both"), (1.0, 100, False, "logp"), (1.0, 100, False, "entropy"), (0.7, 4, True, "logp")])
+def test_chunked_logprobs_equal_full(temperature, chunk, bias, grads):
     """Values and gradients (hidden, weight, bias) of log-probs and entropy equal the full-vocab form."""
     g = torch.Generator().manual_seed(0)
     n, h, v = 13, 8, 50
@@ -138,8 +141,9 @@ def test_chunked_logprobs_equal_full(temperature, chunk, bias):
     b = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
     tgt = torch.randint(0, v, (n,), generator=g)
     c1, c2 = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
-    lp, ent = token_logprobs_chunked(hid, w, tgt, temperature, chunk, with_entropy=True, bias=b)
-    ((lp * c1).sum() + (ent * c2).sum()).backward()
+    c1, c2 = (c1 * (grads != "entropy"), c2 * (grads != "logp"))
+    lp, ent = token_logprobs_chunked(hid, w, tgt, temperature, chunk, with_entropy=grads != "logp", bias=b)
+    (((lp * c1).sum() if grads != "entropy" else 0) + ((ent * c2).sum() if grads != "logp" else 0)).backward()
     got = [hid.grad.clone(), w.grad.clone()] + ([b.grad.clone()] if bias else [])
     for t in [hid, w] + ([b] if bias else []):
         t.grad = None
@@ -149,7 +153,8 @@ def test_chunked_logprobs_equal_full(temperature, chunk, bias):
     ent_ref = -(full.exp() * full).sum(-1)
     ((lp_ref * c1).sum() + (ent_ref * c2).sum()).backward()
     want = [hid.grad, w.grad] + ([b.grad] if bias else [])
-    assert torch.allclose(lp.double(), lp_ref, atol=1e-6) and torch.allclose(ent.double(), ent_ref, atol=1e-6)
+    assert torch.allclose(lp.double(), lp_ref, atol=1e-6)
+    assert torch.allclose(ent.double(), ent_ref, atol=1e-6) if grads != "logp" else not ent.any()
     for a, e in zip(got, want):
         assert torch.allclose(a, e, atol=1e-6)
 

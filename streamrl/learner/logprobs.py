@@ -89,19 +89,29 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if not ctx.with_entropy:  # the zeros returned for the entropy are constants
             g_ent = None
-        g_h = torch.zeros_like(hidden) if need_h else None
         dt = _acc_dtype(hidden)
+        if g_logp is None and g_ent is None:
+            return (torch.zeros_like(hidden) if need_h else None,
+                    torch.zeros_like(weight) if need_w else None,
+                    torch.zeros_like(bias) if need_b and bias is not None else None, None, None, None, None, None)
+        _, grad = _chunk_kernels(ctx.compiled)
+        if kept is not None:  # one chunk: no zero-filled accumulators, the GEMMs write the gradients
+            g_z = grad(*_rows_dynamic(ctx.compiled, kept, targets, lse_all, ent, g_logp, g_ent), ctx.temperature,
+                       overwrite=not ctx.compiled)
+            return (torch.mm(g_z, weight) if need_h else None,
+                    (g_z.t() @ hidden).to(weight.dtype) if need_w else None,
+                    g_z.sum(0, dtype=dt).to(weight.dtype) if need_b and bias is not None else None,
+                    None, None, None, None, None)
+        g_h = torch.zeros_like(hidden) if need_h else None
         g_w = torch.zeros(weight.shape, dtype=dt, device=weight.device) if need_w else None
         g_b = torch.zeros(weight.shape[0], dtype=dt, device=weight.device) if need_b and bias is not None else None
-        if g_logp is None and g_ent is None:
-            return g_h, g_w, g_b, None, None, None, None, None
-        _, grad = _chunk_kernels(ctx.compiled)
         for lo in range(0, hidden.shape[0], chunk):
             sl = slice(lo, lo + chunk)
-            raw = kept if kept is not None else F.linear(hidden[sl], weight, bias)
+            raw = F.linear(hidden[sl], weight, bias)
             rows = [raw, targets[sl], lse_all[sl], ent[sl],
                     None if g_logp is None else g_logp[sl], None if g_ent is None else g_ent[sl]]
-            g_z = grad(*_rows_dynamic(ctx.compiled, *rows), ctx.temperature)  # [c, V], weight dtype
+            g_z = grad(*_rows_dynamic(ctx.compiled, *rows), ctx.temperature,
+                       overwrite=not ctx.compiled)  # [c, V], weight dtype; raw is this chunk's own
             if need_h:
                 torch.mm(g_z, weight, out=g_h[sl])
             if need_w:
@@ -143,14 +153,20 @@ def _chunk_stats(raw: torch.Tensor, targets: torch.Tensor, temperature: float, w
 
 
 def _chunk_grad(raw: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
-                g_logp: torch.Tensor | None, g_ent: torch.Tensor | None, temperature: float) -> torch.Tensor:
+                g_logp: torch.Tensor | None, g_ent: torch.Tensor | None, temperature: float,
+                overwrite: bool = False) -> torch.Tensor:
     """Gradient of the chunk's head output ``raw`` [c, V] (returned in ``raw``'s dtype).
 
     ``d/dz [g_logp * logp_y + g_H * H] = (onehot_y - p) * g_logp - p * (log p + H) * g_H``, then
     ``/ temperature``; ``lse``, ``ent``, ``g_*``: [c]; at least one ``g_*`` is given (None
-    contributes nothing).
+    contributes nothing). ``overwrite``: ``raw`` is not needed afterwards, so eager mode writes the
+    gradient into it (the same operations in the same order, without the ``[c, V]`` fp32
+    temporaries: each is a fresh ~150 MB allocation, page faults included, at 768 x 49,152).
     """
     z = _scaled(raw, temperature)
+    if not torch.compiler.is_compiling():
+        return _chunk_grad_inplace(z if overwrite or z is not raw else z.clone(), raw.dtype, targets, lse, ent,
+                                   g_logp, g_ent, temperature)
     logp_all = z - lse[:, None]
     p = logp_all.exp()
     g_z = None
@@ -158,18 +174,37 @@ def _chunk_grad(raw: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent
         g_z = p * (logp_all + ent[:, None]) * -g_ent[:, None].to(z.dtype)
     if g_logp is not None:
         g_lp = g_logp[:, None].to(z.dtype)
-        if torch.compiler.is_compiling():
-            # the one-hot as a comparison with the column index keeps the whole chunk in one
-            # fused elementwise kernel (a scatter would split it and write [c, V] fp32 twice)
-            hit = torch.arange(z.shape[-1], device=z.device) == targets[:, None]
-            term = (hit.to(z.dtype) - p) * g_lp
-        else:  # eager: the dense term, then a scatter of c elements (cheaper than a [c, V] compare)
-            term = p * -g_lp
-            term.scatter_add_(-1, targets[:, None], g_lp)
+        # the one-hot as a comparison with the column index keeps the whole chunk in one
+        # fused elementwise kernel (a scatter would split it and write [c, V] fp32 twice)
+        hit = torch.arange(z.shape[-1], device=z.device) == targets[:, None]
+        term = (hit.to(z.dtype) - p) * g_lp
+        g_z = term if g_z is None else term + g_z
+    if temperature != 1.0:
+        g_z = g_z / temperature
+    return g_z.to(raw.dtype)
+
+
+def _chunk_grad_inplace(z: torch.Tensor, out_dtype: torch.dtype, targets: torch.Tensor, lse: torch.Tensor,
+                        ent: torch.Tensor, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None,
+                        temperature: float) -> torch.Tensor:
+    """Eager :func:`_chunk_grad` in the buffer of ``z`` [c, V] (scaled logits, overwritten): at most
+    one more ``[c, V]`` tensor (``p``, with the entropy). The one-hot term is a scatter of ``c``
+    elements (cheaper than a ``[c, V]`` compare)."""
+    logp_all = z.sub_(lse[:, None])
+    g_z = None
+    if g_ent is not None:
+        p = logp_all.exp()
+        g_z = logp_all.add_(ent[:, None]).mul_(p).mul_(-g_ent[:, None].to(z.dtype))  # p * (log p + H) * -g_H
+    else:
+        p = logp_all.exp_()
+    if g_logp is not None:
+        g_lp = g_logp[:, None].to(z.dtype)
+        term = p.mul_(-g_lp)
+        term.scatter_add_(-1, targets[:, None], g_lp)
         g_z = term if g_z is None else term.add_(g_z)
     if temperature != 1.0:
         g_z = g_z.div_(temperature)
-    return g_z.to(raw.dtype)
+    return g_z.to(out_dtype)
 
 
 _compiled_kernels = None

@@ -156,6 +156,18 @@ def segment_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     return segment_attention(query, key, value, segment_layout, scaling), None
 
 
+def segment_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """transformers' mask function for :data:`SEGMENT_ATTENTION`: no mask for a packed row (the
+    trainer passes ``attention_mask=None`` with its ``segment_layout``; sdpa's builder would make a
+    ``[1, 1, N, N]`` mask from the restarting position ids that the layout makes unneeded), sdpa's
+    mask for padded inputs (their ``[B, T]`` attention mask)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None:
+        return None
+    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
 def use_segment_attention(model: nn.Module) -> None:
     """Switch ``model`` (a transformers model) to :data:`SEGMENT_ATTENTION`."""
-    model.set_attn_implementation(register_attention(SEGMENT_ATTENTION, segment_attention_forward))
+    model.set_attn_implementation(register_attention(SEGMENT_ATTENTION, segment_attention_forward, segment_mask))
