@@ -132,8 +132,10 @@ def test_microbatch_layout_and_logprobs():
     (1.0, 4, False, "both"), (0.7, 5, True, "both"), (1.3, 100, False, "both"),
     # one chunk (its logits kept and overwritten by the backward), with each gradient term alone
     (1.0, 100, True, "both"), (1.0, 100, False, "logp"), (1.0, 100, False, "entropy"), (0.7, 4, True, "logp")])
-def test_chunked_logprobs_equal_full(temperature, chunk, bias, grads):
-    """Values and gradients (hidden, weight, bias) of log-probs and entropy equal the full-vocab form."""
+def test_chunked_logprobs_equal_full(temperature, chunk, bias, grads, monkeypatch):
+    """Values and gradients (hidden, weight, bias) of log-probs and entropy equal the full-vocab form
+    (the eager forward's reductions in blocks of 3 rows)."""
+    monkeypatch.setattr("streamrl.learner.logprobs._STATS_BLOCK_BYTES", 3 * 4 * 50)
     g = torch.Generator().manual_seed(0)
     n, h, v = 13, 8, 50
     hid = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
@@ -157,6 +159,27 @@ def test_chunked_logprobs_equal_full(temperature, chunk, bias, grads):
     assert torch.allclose(ent.double(), ent_ref, atol=1e-6) if grads != "logp" else not ent.any()
     for a, e in zip(got, want):
         assert torch.allclose(a, e, atol=1e-6)
+
+
+def test_chunked_logprobs_two_graphs_before_backward():
+    """Two one-chunk forwards before either backward: the second may not reuse the first's kept
+    logits (the CPU workspace is lent to one graph at a time); both gradients stay exact, and a
+    third forward after the backwards reuses the workspace."""
+    from streamrl.learner import logprobs
+
+    g = torch.Generator().manual_seed(1)
+    n, h, v = 6, 8, 40
+    w = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    hs = [torch.randn(n, h, generator=g, dtype=torch.float64) for _ in range(2)]
+    tg = [torch.randint(0, v, (n,), generator=g) for _ in range(2)]
+    loss = sum(token_logprobs_chunked(x, w, t, 1.0, 100)[0].sum() for x, t in zip(hs, tg))
+    loss.backward()
+    ref = sum(torch.log_softmax(x @ w.t(), -1).gather(-1, t[:, None]).sum() for x, t in zip(hs, tg))
+    (want,) = torch.autograd.grad(ref, w)
+    assert torch.allclose(w.grad, want, atol=1e-10)
+    buf = logprobs._LOGITS_WORKSPACE.buf
+    token_logprobs_chunked(hs[0], w, tg[0], 1.0, 100)[0].sum().backward()
+    assert logprobs._LOGITS_WORKSPACE.buf is buf
 
 
 def test_microbatches_match_one_microbatch_vtrace():

@@ -26,6 +26,7 @@ all-gathered parameter there, and its gradient is reduced like any other.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -72,12 +73,20 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         kept = None  # [n, V] head output (weight dtype) of a single chunk, kept for the backward
         for lo in range(0, n, chunk):
             sl = slice(lo, lo + chunk)
-            raw = F.linear(hidden[sl], weight, bias)
-            if n <= chunk:
-                kept = raw
-            logp[sl], lse_all[sl], e = stats(*_rows_dynamic(compiled, raw, targets[sl]), temperature, with_entropy)
-            if with_entropy:
-                ent[sl] = e
+            if n <= chunk and any(ctx.needs_input_grad[:3]):
+                raw = kept = _LOGITS_WORKSPACE.linear(ctx, hidden, weight, bias)
+            else:
+                raw = F.linear(hidden[sl], weight, bias)
+            # eager: the reductions' [rows, V] temporaries in blocks of a few MB, which malloc
+            # serves again from its heap (a [chunk, V] temporary is a fresh mmap, page faults each time)
+            rows = raw.shape[0]
+            step = rows if compiled else min(rows, _stats_rows(raw.shape[1]))
+            for blo in range(0, rows, step):
+                bl = slice(lo + blo, lo + min(blo + step, rows))
+                logp[bl], lse_all[bl], e = stats(*_rows_dynamic(compiled, raw[blo : blo + step], targets[bl]),
+                                                 temperature, with_entropy)
+                if with_entropy:
+                    ent[bl] = e
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all, ent, kept)
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compiled = temperature, chunk, with_entropy, compiled
         return logp, ent
@@ -98,10 +107,12 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         if kept is not None:  # one chunk: no zero-filled accumulators, the GEMMs write the gradients
             g_z = grad(*_rows_dynamic(ctx.compiled, kept, targets, lse_all, ent, g_logp, g_ent), ctx.temperature,
                        overwrite=not ctx.compiled)
-            return (torch.mm(g_z, weight) if need_h else None,
-                    (g_z.t() @ hidden).to(weight.dtype) if need_w else None,
-                    g_z.sum(0, dtype=dt).to(weight.dtype) if need_b and bias is not None else None,
-                    None, None, None, None, None)
+            out = (torch.mm(g_z, weight) if need_h else None,
+                   (g_z.t() @ hidden).to(weight.dtype) if need_w else None,
+                   g_z.sum(0, dtype=dt).to(weight.dtype) if need_b and bias is not None else None,
+                   None, None, None, None, None)
+            _LOGITS_WORKSPACE.release(ctx)
+            return out
         g_h = torch.zeros_like(hidden) if need_h else None
         g_w = torch.zeros(weight.shape, dtype=dt, device=weight.device) if need_w else None
         g_b = torch.zeros(weight.shape[0], dtype=dt, device=weight.device) if need_b and bias is not None else None
@@ -123,6 +134,57 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 g_b.add_(g_z.sum(0, dtype=dt))
         return (g_h, None if g_w is None else g_w.to(weight.dtype),
                 None if g_b is None else g_b.to(weight.dtype), None, None, None, None, None)
+
+
+class _LogitsWorkspace:
+    """One reusable CPU buffer for the single chunk's ``[n, V]`` logits kept for the backward.
+
+    Why: a fresh ``[768, 49152]`` fp32 tensor is a new mmap every micro-batch, and first-touching
+    its 150 MB (page faults) cost about a third of the head's forward GEMM on the 2-core machine.
+    The buffer is lent to one autograd node at a time: it is free again once that node's backward
+    has run (:meth:`release`) or the node is gone (a graph dropped without a backward); while it
+    is lent, a second forward gets a fresh tensor. Reusing it bumps its version counter, so a
+    stale graph that still saves it fails loudly in its backward instead of reading new logits.
+    GPUs have the caching allocator: there the buffer is never used.
+    """
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+        self.holder = None  # weakref to the autograd ctx the buffer is lent to
+
+    def linear(self, ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(hidden [n, H], weight [V, H], bias)`` -> [n, V], into the buffer when it is free."""
+        n, v = hidden.shape[0], weight.shape[0]
+        lent = self.holder is not None and self.holder() is not None
+        if lent or hidden.device.type != "cpu" or hidden.dtype != weight.dtype:
+            return F.linear(hidden, weight, bias)
+        if self.buf is None or self.buf.numel() < n * v or self.buf.dtype != weight.dtype:
+            self.buf = None  # the old one goes before the new one is allocated
+            self.buf = torch.empty(n * v, dtype=weight.dtype)
+        out = self.buf[: n * v].view(n, v)
+        if bias is None:
+            torch.mm(hidden, weight.t(), out=out)
+        else:
+            torch.addmm(bias, hidden, weight.t(), out=out)
+        self.holder = weakref.ref(ctx)
+        return out
+
+    def release(self, ctx) -> None:
+        """``ctx``'s backward is done with the buffer."""
+        if self.holder is not None and self.holder() is ctx:
+            self.holder = None
+
+
+_LOGITS_WORKSPACE = _LogitsWorkspace()
+
+_STATS_BLOCK_BYTES = 16 << 20
+"""Bytes of one fp32 ``[rows, V]`` temporary of the eager forward's reductions: under glibc's
+32 MiB ceiling for serving a freed block again from the heap instead of a new mmap."""
+
+
+def _stats_rows(vocab: int) -> int:
+    """Rows per block of the eager forward's reductions (at least 1)."""
+    return max(1, _STATS_BLOCK_BYTES // (4 * vocab))
 
 
 def _acc_dtype(h: torch.Tensor) -> torch.dtype:
