@@ -14,6 +14,9 @@ chosen token's log-prob (and the entropy) is needed. So:
    rows fit in one chunk, that chunk's logits (the ``[chunk, V]`` temporary the bound allows
    anyway, in the weight dtype: bf16 for a bf16 model) are kept for the backward instead: the
    recompute is one of the head's four matmuls, ~6 % of a SmolLM2 shared-prompt step on CPU.
+   Eager, the backward then writes the logits' gradient into those kept logits, and on CPU they
+   live in a reused workspace: each fresh ``[c, V]`` tensor there is a new mmap whose page faults
+   cost as much as several passes over it (:class:`_LogitsWorkspace`).
 3. With ``learner.compile`` each chunk's elementwise work is ``torch.compile``d: the forward
    is one matmul plus one reduction kernel over its output, the backward one matmul (the
    recompute), one elementwise kernel writing the logits' gradient in the weight dtype, and the
