@@ -128,9 +128,14 @@ def test_microbatch_layout_and_logprobs():
     assert all(len(units) == 1 and len(units[0]) == 1 for units in small)
 
 
-@pytest.mark.parametrize("temperature,chunk,bias", [(1.0, 4, False), (0.7, 5, True), (1.3, 100, False)])
-def test_chunked_logprobs_equal_full(temperature, chunk, bias):
-    """Values and gradients (hidden, weight, bias) of log-probs and entropy equal the full-vocab form."""
+@pytest.mark.parametrize("temperature,chunk,bias,grads", [
+    (1.0, 4, False, "both"), (0.7, 5, True, "both"), (1.3, 100, False, "both"),
+    # one chunk (its logits kept and overwritten by the backward), with each gradient term alone
+    (1.0, 100, True, "both"), (1.0, 100, False, "logp"), (1.0, 100, False, "entropy"), (0.7, 4, True, "logp")])
+def test_chunked_logprobs_equal_full(temperature, chunk, bias, grads, monkeypatch):
+    """Values and gradients (hidden, weight, bias) of log-probs and entropy equal the full-vocab form
+    (the eager forward's reductions in blocks of 3 rows)."""
+    monkeypatch.setattr("streamrl.learner.logprobs._STATS_BLOCK_BYTES", 3 * 4 * 50)
     g = torch.Generator().manual_seed(0)
     n, h, v = 13, 8, 50
     hid = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
@@ -138,8 +143,9 @@ def test_chunked_logprobs_equal_full(temperature, chunk, bias):
     b = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
     tgt = torch.randint(0, v, (n,), generator=g)
     c1, c2 = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
-    lp, ent = token_logprobs_chunked(hid, w, tgt, temperature, chunk, with_entropy=True, bias=b)
-    ((lp * c1).sum() + (ent * c2).sum()).backward()
+    c1, c2 = (c1 * (grads != "entropy"), c2 * (grads != "logp"))
+    lp, ent = token_logprobs_chunked(hid, w, tgt, temperature, chunk, with_entropy=grads != "logp", bias=b)
+    (((lp * c1).sum() if grads != "entropy" else 0) + ((ent * c2).sum() if grads != "logp" else 0)).backward()
     got = [hid.grad.clone(), w.grad.clone()] + ([b.grad.clone()] if bias else [])
     for t in [hid, w] + ([b] if bias else []):
         t.grad = None
@@ -149,9 +155,31 @@ def test_chunked_logprobs_equal_full(temperature, chunk, bias):
     ent_ref = -(full.exp() * full).sum(-1)
     ((lp_ref * c1).sum() + (ent_ref * c2).sum()).backward()
     want = [hid.grad, w.grad] + ([b.grad] if bias else [])
-    assert torch.allclose(lp.double(), lp_ref, atol=1e-6) and torch.allclose(ent.double(), ent_ref, atol=1e-6)
+    assert torch.allclose(lp.double(), lp_ref, atol=1e-6)
+    assert torch.allclose(ent.double(), ent_ref, atol=1e-6) if grads != "logp" else not ent.any()
     for a, e in zip(got, want):
         assert torch.allclose(a, e, atol=1e-6)
+
+
+def test_chunked_logprobs_two_graphs_before_backward():
+    """Two one-chunk forwards before either backward: the second may not reuse the first's kept
+    logits (the CPU workspace is lent to one graph at a time); both gradients stay exact, and a
+    third forward after the backwards reuses the workspace."""
+    from streamrl.learner import logprobs
+
+    g = torch.Generator().manual_seed(1)
+    n, h, v = 6, 8, 40
+    w = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    hs = [torch.randn(n, h, generator=g, dtype=torch.float64) for _ in range(2)]
+    tg = [torch.randint(0, v, (n,), generator=g) for _ in range(2)]
+    loss = sum(token_logprobs_chunked(x, w, t, 1.0, 100)[0].sum() for x, t in zip(hs, tg))
+    loss.backward()
+    ref = sum(torch.log_softmax(x @ w.t(), -1).gather(-1, t[:, None]).sum() for x, t in zip(hs, tg))
+    (want,) = torch.autograd.grad(ref, w)
+    assert torch.allclose(w.grad, want, atol=1e-10)
+    buf = logprobs._LOGITS_WORKSPACE.buf
+    token_logprobs_chunked(hs[0], w, tg[0], 1.0, 100)[0].sum().backward()
+    assert logprobs._LOGITS_WORKSPACE.buf is buf
 
 
 def test_microbatches_match_one_microbatch_vtrace():

@@ -49,19 +49,24 @@ def test_segment_attention_equals_dense_mask(name):
 
 
 def test_layout_of_packed_microbatches():
-    """Every row token is a query exactly once; a segment's keys are its unit's prompt and itself."""
+    """Every row token is a query exactly once, and its output is read from its own query's slot;
+    a segment's keys are its unit's prompt and itself."""
     batch = group_batch(7, groups=3, g=4)
     view = TrajectoryView(batch)
     for units in plan_microbatches(batch, list(range(12)), budget=40, shared=True, view=view):
         mb = build_microbatch(view, units, shared=True, dense_mask=False, feed_last=False)
         lay = SegmentLayout.from_ids(mb.segment_ids, mb.unit_ids)
-        assert torch.equal(torch.sort(lay.order).values, torch.arange(mb.num_tokens))
-        for s in range(lay.seg_q.shape[0]):
-            keys = lay.seg_k[s][lay.seg_mask[s, 0, 0]]  # what the segment's first token sees
-            seg_id = int(mb.segment_ids[lay.seg_q[s, 0]])
-            unit = mb.unit_ids[lay.seg_q[s, 0]]
+        assert torch.equal(lay.q_index[lay.order], torch.arange(mb.num_tokens))
+        assert lay.order.unique().numel() == mb.num_tokens
+        u, p, n_seg, l = lay.shapes
+        seg_q = lay.q_index[u * p:].view(n_seg, l)
+        seg_k = lay.k_index[u * p:].view(n_seg, p + l)
+        for s in range(n_seg):
+            keys = seg_k[s][lay.seg_mask[s, 0, 0]]  # what the segment's first token sees
+            seg_id = int(mb.segment_ids[seg_q[s, 0]])
+            unit = mb.unit_ids[seg_q[s, 0]]
             want = ((mb.unit_ids == unit) & (mb.segment_ids < 0)).nonzero()[:, 0].tolist()
-            assert keys.tolist() == want + [int(lay.seg_q[s, 0])], seg_id
+            assert keys.tolist() == want + [int(seg_q[s, 0])], seg_id
 
 
 @pytest.fixture(scope="module")

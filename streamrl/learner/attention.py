@@ -112,14 +112,15 @@ def _eager_flex():
 
 
 @functools.cache
-def register_attention(name: str, forward) -> str:
-    """Register ``forward`` as attention ``name`` with transformers, with sdpa's mask builder for
-    the padded path (evaluation, the padded reference); idempotent. Returns the name."""
+def register_attention(name: str, forward, mask_builder=None) -> str:
+    """Register ``forward`` as attention ``name`` with transformers, with ``mask_builder`` (default:
+    sdpa's, which the padded path needs: evaluation, the padded reference) as the mask function
+    transformers calls before the forward; idempotent. Returns the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(name, forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask_builder or sdpa_mask)
     return name
 
 

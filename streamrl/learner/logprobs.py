@@ -14,6 +14,9 @@ chosen token's log-prob (and the entropy) is needed. So:
    rows fit in one chunk, that chunk's logits (the ``[chunk, V]`` temporary the bound allows
    anyway, in the weight dtype: bf16 for a bf16 model) are kept for the backward instead: the
    recompute is one of the head's four matmuls, ~6 % of a SmolLM2 shared-prompt step on CPU.
+   Eager, the backward then writes the logits' gradient into those kept logits, and on CPU they
+   live in a reused workspace: each fresh ``[c, V]`` tensor there is a new mmap whose page faults
+   cost as much as several passes over it (:class:`_LogitsWorkspace`).
 3. With ``learner.compile`` each chunk's elementwise work is ``torch.compile``d: the forward
    is one matmul plus one reduction kernel over its output, the backward one matmul (the
    recompute), one elementwise kernel writing the logits' gradient in the weight dtype, and the
@@ -26,6 +29,7 @@ all-gathered parameter there, and its gradient is reduced like any other.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -72,12 +76,20 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         kept = None  # [n, V] head output (weight dtype) of a single chunk, kept for the backward
         for lo in range(0, n, chunk):
             sl = slice(lo, lo + chunk)
-            raw = F.linear(hidden[sl], weight, bias)
-            if n <= chunk:
-                kept = raw
-            logp[sl], lse_all[sl], e = stats(*_rows_dynamic(compiled, raw, targets[sl]), temperature, with_entropy)
-            if with_entropy:
-                ent[sl] = e
+            if n <= chunk and any(ctx.needs_input_grad[:3]):
+                raw = kept = _LOGITS_WORKSPACE.linear(ctx, hidden, weight, bias)
+            else:
+                raw = F.linear(hidden[sl], weight, bias)
+            # eager: the reductions' [rows, V] temporaries in blocks of a few MB, which malloc
+            # serves again from its heap (a [chunk, V] temporary is a fresh mmap, page faults each time)
+            rows = raw.shape[0]
+            step = rows if compiled else min(rows, _stats_rows(raw.shape[1]))
+            for blo in range(0, rows, step):
+                bl = slice(lo + blo, lo + min(blo + step, rows))
+                logp[bl], lse_all[bl], e = stats(*_rows_dynamic(compiled, raw[blo : blo + step], targets[bl]),
+                                                 temperature, with_entropy)
+                if with_entropy:
+                    ent[bl] = e
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all, ent, kept)
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compiled = temperature, chunk, with_entropy, compiled
         return logp, ent
@@ -89,19 +101,31 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if not ctx.with_entropy:  # the zeros returned for the entropy are constants
             g_ent = None
-        g_h = torch.zeros_like(hidden) if need_h else None
         dt = _acc_dtype(hidden)
+        if g_logp is None and g_ent is None:
+            return (torch.zeros_like(hidden) if need_h else None,
+                    torch.zeros_like(weight) if need_w else None,
+                    torch.zeros_like(bias) if need_b and bias is not None else None, None, None, None, None, None)
+        _, grad = _chunk_kernels(ctx.compiled)
+        if kept is not None:  # one chunk: no zero-filled accumulators, the GEMMs write the gradients
+            g_z = grad(*_rows_dynamic(ctx.compiled, kept, targets, lse_all, ent, g_logp, g_ent), ctx.temperature,
+                       overwrite=not ctx.compiled)
+            out = (torch.mm(g_z, weight) if need_h else None,
+                   (g_z.t() @ hidden).to(weight.dtype) if need_w else None,
+                   g_z.sum(0, dtype=dt).to(weight.dtype) if need_b and bias is not None else None,
+                   None, None, None, None, None)
+            _LOGITS_WORKSPACE.release(ctx)
+            return out
+        g_h = torch.zeros_like(hidden) if need_h else None
         g_w = torch.zeros(weight.shape, dtype=dt, device=weight.device) if need_w else None
         g_b = torch.zeros(weight.shape[0], dtype=dt, device=weight.device) if need_b and bias is not None else None
-        if g_logp is None and g_ent is None:
-            return g_h, g_w, g_b, None, None, None, None, None
-        _, grad = _chunk_kernels(ctx.compiled)
         for lo in range(0, hidden.shape[0], chunk):
             sl = slice(lo, lo + chunk)
-            raw = kept if kept is not None else F.linear(hidden[sl], weight, bias)
+            raw = F.linear(hidden[sl], weight, bias)
             rows = [raw, targets[sl], lse_all[sl], ent[sl],
                     None if g_logp is None else g_logp[sl], None if g_ent is None else g_ent[sl]]
-            g_z = grad(*_rows_dynamic(ctx.compiled, *rows), ctx.temperature)  # [c, V], weight dtype
+            g_z = grad(*_rows_dynamic(ctx.compiled, *rows), ctx.temperature,
+                       overwrite=not ctx.compiled)  # [c, V], weight dtype; raw is this chunk's own
             if need_h:
                 torch.mm(g_z, weight, out=g_h[sl])
             if need_w:
@@ -113,6 +137,57 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 g_b.add_(g_z.sum(0, dtype=dt))
         return (g_h, None if g_w is None else g_w.to(weight.dtype),
                 None if g_b is None else g_b.to(weight.dtype), None, None, None, None, None)
+
+
+class _LogitsWorkspace:
+    """One reusable CPU buffer for the single chunk's ``[n, V]`` logits kept for the backward.
+
+    Why: a fresh ``[768, 49152]`` fp32 tensor is a new mmap every micro-batch, and first-touching
+    its 150 MB (page faults) cost about a third of the head's forward GEMM on the 2-core machine.
+    The buffer is lent to one autograd node at a time: it is free again once that node's backward
+    has run (:meth:`release`) or the node is gone (a graph dropped without a backward); while it
+    is lent, a second forward gets a fresh tensor. Reusing it bumps its version counter, so a
+    stale graph that still saves it fails loudly in its backward instead of reading new logits.
+    GPUs have the caching allocator: there the buffer is never used.
+    """
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+        self.holder = None  # weakref to the autograd ctx the buffer is lent to
+
+    def linear(self, ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(hidden [n, H], weight [V, H], bias)`` -> [n, V], into the buffer when it is free."""
+        n, v = hidden.shape[0], weight.shape[0]
+        lent = self.holder is not None and self.holder() is not None
+        if lent or hidden.device.type != "cpu" or hidden.dtype != weight.dtype:
+            return F.linear(hidden, weight, bias)
+        if self.buf is None or self.buf.numel() < n * v or self.buf.dtype != weight.dtype:
+            self.buf = None  # the old one goes before the new one is allocated
+            self.buf = torch.empty(n * v, dtype=weight.dtype)
+        out = self.buf[: n * v].view(n, v)
+        if bias is None:
+            torch.mm(hidden, weight.t(), out=out)
+        else:
+            torch.addmm(bias, hidden, weight.t(), out=out)
+        self.holder = weakref.ref(ctx)
+        return out
+
+    def release(self, ctx) -> None:
+        """``ctx``'s backward is done with the buffer."""
+        if self.holder is not None and self.holder() is ctx:
+            self.holder = None
+
+
+_LOGITS_WORKSPACE = _LogitsWorkspace()
+
+_STATS_BLOCK_BYTES = 16 << 20
+"""Bytes of one fp32 ``[rows, V]`` temporary of the eager forward's reductions: under glibc's
+32 MiB ceiling for serving a freed block again from the heap instead of a new mmap."""
+
+
+def _stats_rows(vocab: int) -> int:
+    """Rows per block of the eager forward's reductions (at least 1)."""
+    return max(1, _STATS_BLOCK_BYTES // (4 * vocab))
 
 
 def _acc_dtype(h: torch.Tensor) -> torch.dtype:
@@ -143,14 +218,20 @@ def _chunk_stats(raw: torch.Tensor, targets: torch.Tensor, temperature: float, w
 
 
 def _chunk_grad(raw: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
-                g_logp: torch.Tensor | None, g_ent: torch.Tensor | None, temperature: float) -> torch.Tensor:
+                g_logp: torch.Tensor | None, g_ent: torch.Tensor | None, temperature: float,
+                overwrite: bool = False) -> torch.Tensor:
     """Gradient of the chunk's head output ``raw`` [c, V] (returned in ``raw``'s dtype).
 
     ``d/dz [g_logp * logp_y + g_H * H] = (onehot_y - p) * g_logp - p * (log p + H) * g_H``, then
     ``/ temperature``; ``lse``, ``ent``, ``g_*``: [c]; at least one ``g_*`` is given (None
-    contributes nothing).
+    contributes nothing). ``overwrite``: ``raw`` is not needed afterwards, so eager mode writes the
+    gradient into it (the same operations in the same order, without the ``[c, V]`` fp32
+    temporaries: each is a fresh ~150 MB allocation, page faults included, at 768 x 49,152).
     """
     z = _scaled(raw, temperature)
+    if not torch.compiler.is_compiling():
+        return _chunk_grad_inplace(z if overwrite or z is not raw else z.clone(), raw.dtype, targets, lse, ent,
+                                   g_logp, g_ent, temperature)
     logp_all = z - lse[:, None]
     p = logp_all.exp()
     g_z = None
@@ -158,18 +239,37 @@ def _chunk_grad(raw: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent
         g_z = p * (logp_all + ent[:, None]) * -g_ent[:, None].to(z.dtype)
     if g_logp is not None:
         g_lp = g_logp[:, None].to(z.dtype)
-        if torch.compiler.is_compiling():
-            # the one-hot as a comparison with the column index keeps the whole chunk in one
-            # fused elementwise kernel (a scatter would split it and write [c, V] fp32 twice)
-            hit = torch.arange(z.shape[-1], device=z.device) == targets[:, None]
-            term = (hit.to(z.dtype) - p) * g_lp
-        else:  # eager: the dense term, then a scatter of c elements (cheaper than a [c, V] compare)
-            term = p * -g_lp
-            term.scatter_add_(-1, targets[:, None], g_lp)
+        # the one-hot as a comparison with the column index keeps the whole chunk in one
+        # fused elementwise kernel (a scatter would split it and write [c, V] fp32 twice)
+        hit = torch.arange(z.shape[-1], device=z.device) == targets[:, None]
+        term = (hit.to(z.dtype) - p) * g_lp
+        g_z = term if g_z is None else term + g_z
+    if temperature != 1.0:
+        g_z = g_z / temperature
+    return g_z.to(raw.dtype)
+
+
+def _chunk_grad_inplace(z: torch.Tensor, out_dtype: torch.dtype, targets: torch.Tensor, lse: torch.Tensor,
+                        ent: torch.Tensor, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None,
+                        temperature: float) -> torch.Tensor:
+    """Eager :func:`_chunk_grad` in the buffer of ``z`` [c, V] (scaled logits, overwritten): at most
+    one more ``[c, V]`` tensor (``p``, with the entropy). The one-hot term is a scatter of ``c``
+    elements (cheaper than a ``[c, V]`` compare)."""
+    logp_all = z.sub_(lse[:, None])
+    g_z = None
+    if g_ent is not None:
+        p = logp_all.exp()
+        g_z = logp_all.add_(ent[:, None]).mul_(p).mul_(-g_ent[:, None].to(z.dtype))  # p * (log p + H) * -g_H
+    else:
+        p = logp_all.exp_()
+    if g_logp is not None:
+        g_lp = g_logp[:, None].to(z.dtype)
+        term = p.mul_(-g_lp)
+        term.scatter_add_(-1, targets[:, None], g_lp)
         g_z = term if g_z is None else term.add_(g_z)
     if temperature != 1.0:
         g_z = g_z.div_(temperature)
-    return g_z.to(raw.dtype)
+    return g_z.to(out_dtype)
 
 
 _compiled_kernels = None

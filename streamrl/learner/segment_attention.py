@@ -40,25 +40,27 @@ SEGMENT_ATTENTION = "streamrl_segments"
 class SegmentLayout:
     """Index plan of one packed row (U units with a prompt, S segments, N row tokens).
 
-    prompt_q: [U, P] row index of each unit's prompt tokens (padding: any valid index)
-    prompt_mask: [U, 1, P, P] bool, causal within the prompt, padding hidden
-    seg_q: [S, L] row index of each segment's tokens
-    seg_k: [S, P + L] row index of the keys of each segment: its unit's prompt, then itself
-    seg_mask: [S, 1, L, P + L] bool
-    order: [N] where each row token's output sits in ``cat(prompt outputs, segment outputs)``
-        flattened over the valid (unpadded) queries
-    prompt_valid: [Vp] int64, seg_valid: [Vs] int64 -- the unpadded queries among the flattened
-        ``[U * P]`` / ``[S * L]`` outputs (integer indices: no data-dependent shapes in the forward)
+    prompt_mask: [U, 1, P, P] bool, causal within each unit's prompt, padding hidden
+    seg_mask: [S, 1, L, P + L] bool: a segment's queries see its unit's prompt, then itself causally
+    q_index: [U * P + S * L] row index of the queries: the units' prompts ``[U, P]``, then the
+        segments ``[S, L]``, flattened (padding: any valid index of the same unit or segment)
+    k_index: [U * P + S * (P + L)] row index of the keys: the prompts (their own keys), then per
+        segment its unit's prompt and itself ``[S, P + L]``, flattened
+    order: [N] where each row token's output sits among the ``U * P + S * L`` (padded) outputs
     """
 
-    prompt_q: torch.Tensor
     prompt_mask: torch.Tensor
-    seg_q: torch.Tensor
-    seg_k: torch.Tensor
     seg_mask: torch.Tensor
+    q_index: torch.Tensor
+    k_index: torch.Tensor
     order: torch.Tensor
-    prompt_valid: torch.Tensor
-    seg_valid: torch.Tensor
+
+    @property
+    def shapes(self) -> tuple[int, int, int, int]:
+        """``(U, P, S, L)``."""
+        u, _, p, _ = self.prompt_mask.shape
+        s, _, l, _ = self.seg_mask.shape
+        return u, p, s, l
 
     @classmethod
     def from_ids(cls, segment_ids: torch.Tensor, unit_ids: torch.Tensor) -> "SegmentLayout":
@@ -92,12 +94,13 @@ class SegmentLayout:
         # backward); its output is never read.
         seg_mask = torch.where(seg_ok[:, :, None], seg_mask, seg_mask[:, :1])
         prompt_mask = torch.where(prompt_ok[:, :, None], prompt_mask, prompt_mask[:, :1])
-        rows_in_order = torch.cat([prompt_q[prompt_ok], seg_q[seg_ok]])
-        assert rows_in_order.numel() == n, "every row token is a prompt or a segment query once"
+        q_index = torch.cat([prompt_q.reshape(-1), seg_q.reshape(-1)])
+        valid = torch.cat([prompt_ok.reshape(-1), seg_ok.reshape(-1)])
+        assert int(valid.sum()) == n, "every row token is a prompt or a segment query once"
         order = torch.empty(n, dtype=torch.int64)
-        order[rows_in_order] = torch.arange(n)
-        return cls(prompt_q, prompt_mask[:, None], seg_q, seg_k, seg_mask[:, None], order,
-                   prompt_ok.reshape(-1).nonzero()[:, 0], seg_ok.reshape(-1).nonzero()[:, 0])
+        order[q_index[valid]] = valid.nonzero()[:, 0]
+        return cls(prompt_mask[:, None], seg_mask[:, None], q_index,
+                   torch.cat([prompt_q.reshape(-1), seg_k.reshape(-1)]), order)
 
     def to(self, device: torch.device) -> "SegmentLayout":
         if device.type == "cpu":
@@ -122,23 +125,32 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scaling: float | None) -> torch.Tensor:
     """Attention of one packed row by segments.
 
+    One gather each for the queries, keys and values of both problems (their backward: one
+    scatter each), one gather back to row order.
+
     Args:
         query: [1, Hq, N, D]; key, value: [1, Hkv, N, D] (grouped-query heads allowed).
     Returns:
         [1, N, Hq, D], as transformers' attention functions return it.
     """
     assert query.shape[0] == 1, "a packed micro-batch is one row"
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [N, H, D]
+    u, p, s, l = layout.shapes
+    # squeeze, not [0]: a view whose backward is a view (indexing's backward zero-fills [H, N, D])
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # [N, H, D]
     gqa = q.shape[1] != k.shape[1]
+    qp, qs = q[layout.q_index].split([u * p, s * l])
+    kp, ks = k[layout.k_index].split([u * p, s * (p + l)])
+    vp, vs = v[layout.k_index].split([u * p, s * (p + l)])
     outs = []
-    for q_idx, k_idx, mask, valid in ((layout.prompt_q, layout.prompt_q, layout.prompt_mask, layout.prompt_valid),
-                                      (layout.seg_q, layout.seg_k, layout.seg_mask, layout.seg_valid)):
-        if q_idx.numel() == 0:
+    for qq, kk, vv, rows, lq, lk, mask in ((qp, kp, vp, u, p, p, layout.prompt_mask),
+                                         (qs, ks, vs, s, l, p + l, layout.seg_mask)):
+        if rows * lq == 0:
             continue
-        qq = q[q_idx].transpose(1, 2)  # [R, H, Lq, D]
-        kk, vv = k[k_idx].transpose(1, 2), v[k_idx].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        outs.append(o.transpose(1, 2).flatten(0, 1)[valid])  # [valid queries, H, D]
+        o = F.scaled_dot_product_attention(qq.unflatten(0, (rows, lq)).transpose(1, 2),
+                                           kk.unflatten(0, (rows, lk)).transpose(1, 2),
+                                           vv.unflatten(0, (rows, lk)).transpose(1, 2),
+                                           attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        outs.append(o.transpose(1, 2).flatten(0, 1))  # [rows * lq, H, D]
     return torch.cat(outs)[layout.order][None]
 
 
@@ -156,6 +168,18 @@ def segment_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     return segment_attention(query, key, value, segment_layout, scaling), None
 
 
+def segment_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """transformers' mask function for :data:`SEGMENT_ATTENTION`: no mask for a packed row (the
+    trainer passes ``attention_mask=None`` with its ``segment_layout``; sdpa's builder would make a
+    ``[1, 1, N, N]`` mask from the restarting position ids that the layout makes unneeded), sdpa's
+    mask for padded inputs (their ``[B, T]`` attention mask)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None:
+        return None
+    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
 def use_segment_attention(model: nn.Module) -> None:
     """Switch ``model`` (a transformers model) to :data:`SEGMENT_ATTENTION`."""
-    model.set_attn_implementation(register_attention(SEGMENT_ATTENTION, segment_attention_forward))
+    model.set_attn_implementation(register_attention(SEGMENT_ATTENTION, segment_attention_forward, segment_mask))
