@@ -6,7 +6,6 @@ worker's batch is held open by a gate so the "generating" phase lasts as long as
 needs. Every check waits on state (the lender's offer), never on a fixed sleep."""
 from __future__ import annotations
 
-import argparse
 import socket
 import threading
 import time
@@ -17,6 +16,7 @@ import torch
 from streamrl.config import ConfigError, load_config
 from streamrl.coord.coordinator import Coordinator
 from streamrl.learner.core_lending import IDLE_STATES, LENDABLE_ENV, CoreLender, make_core_lender
+from tests.test_worker_heartbeat import gated_worker
 
 
 def _wait_offer(lender: CoreLender, want: int, coord: Coordinator, timeout_s: float = 30.0) -> None:
@@ -30,25 +30,11 @@ def _wait_offer(lender: CoreLender, want: int, coord: Coordinator, timeout_s: fl
 def test_lender_follows_worker_states(repo, tmp_path, redis_url, run_id):
     from streamrl.workers import rollout  # noqa: PLC0415 (installed layout of workers/)
 
-    cfg = load_config(str(repo / "configs/tiny.yaml"), [f"run.run_dir={tmp_path}", "rollout.engine=hf_fast"])
-    coord = Coordinator(redis_url, run_id)
-    coord.put_config(cfg.to_dict())
-    coord.set_endpoint("trajectories", "tcp://127.0.0.1:9")  # nobody listens: the batch ends in backpressure
-    coord.r.set(coord.keys.version, 0)
+    # the batch's trajectories go to an endpoint nobody listens on: it ends in backpressure
+    coord, worker, gate = gated_worker(repo, tmp_path, redis_url, run_id, gate_s=60)
     coord.r.set(coord.keys.reserved, 10**6)  # the staleness budget is spent: the worker waits for admission
     # a worker on another host, idle with 4 threads: not this host's cores, never lent
     coord.heartbeat(7, {"host": "elsewhere", "state": "waiting_admission", "threads": 4})
-    worker = rollout.RolloutWorker(argparse.Namespace(redis_url=redis_url, run_id=run_id, worker_id=0,
-                                                      num_workers=1, device=None))
-    worker.sync_weights = lambda: 0.0  # the version-0 weights are the ones it built
-    worker.subscriber.loaded_version = 0
-    gate, real_batch = threading.Event(), worker.roller.rollout_batch
-
-    def held_batch(version, hook=None):
-        gate.wait(60)
-        return real_batch(version, hook)
-
-    worker.roller.rollout_batch = held_batch
     base = torch.get_num_threads()
     lender = CoreLender(Coordinator(redis_url, run_id), base, lendable=worker.threads, poll_s=0.02).start()
     runner = threading.Thread(target=worker.run, daemon=True)

@@ -19,12 +19,12 @@ from streamrl.learner.accounting import Ledger
 TTL_S = 1.0
 
 
-@pytest.mark.timeout(120)
-def test_worker_beats_while_a_batch_outlasts_the_ttl(repo, tmp_path, redis_url, run_id, monkeypatch):
+def gated_worker(repo, tmp_path, redis_url: str, run_id: str, gate_s: float):
+    """``(coord, worker, gate)``: the real rollout worker on the tiny config (hf_fast) at version
+    0, whose batches wait for ``gate`` (at most ``gate_s``) before they generate; its
+    trajectories go to an endpoint nobody listens on. The caller starts ``worker.run``."""
     from streamrl.workers import rollout  # noqa: PLC0415 (installed layout of workers/)
 
-    monkeypatch.setattr(rollout, "HEARTBEAT_TTL_S", TTL_S)
-    monkeypatch.setattr(rollout, "HEARTBEAT_S", TTL_S / 5)
     cfg = load_config(str(repo / "configs/tiny.yaml"), [f"run.run_dir={tmp_path}", "rollout.engine=hf_fast"])
     coord = Coordinator(redis_url, run_id)
     coord.put_config(cfg.to_dict())
@@ -36,11 +36,22 @@ def test_worker_beats_while_a_batch_outlasts_the_ttl(repo, tmp_path, redis_url, 
     worker.subscriber.loaded_version = 0
     gate, real_batch = threading.Event(), worker.roller.rollout_batch
 
-    def long_batch(version, hook=None):
-        gate.wait(30)
+    def held_batch(version, hook=None):
+        gate.wait(gate_s)
         return real_batch(version, hook)
 
-    worker.roller.rollout_batch = long_batch
+    worker.roller.rollout_batch = held_batch
+    return coord, worker, gate
+
+
+@pytest.mark.timeout(120)
+def test_worker_beats_while_a_batch_outlasts_the_ttl(repo, tmp_path, redis_url, run_id, monkeypatch):
+    from streamrl.workers import rollout  # noqa: PLC0415 (installed layout of workers/)
+
+    monkeypatch.setattr(rollout, "HEARTBEAT_TTL_S", TTL_S)
+    monkeypatch.setattr(rollout, "HEARTBEAT_S", TTL_S / 5)
+    coord, worker, gate = gated_worker(repo, tmp_path, redis_url, run_id, gate_s=30)
+    cfg = worker.cfg
     runner = threading.Thread(target=worker.run, daemon=True)
     runner.start()
     plane = ControlPlane(coord, cfg.to_dict(), "tcp://127.0.0.1:9", Ledger(), admission=None)
