@@ -497,8 +497,6 @@ class PlacementConfig:
         validate_placement_config(self, p)
         for name in ("learner_threads", "rollout_threads"):
             _check(getattr(self, name) >= 0, f"{p}.{name}", getattr(self, name), "must be >= 0 (0 = auto)")
-        _check(isinstance(self.lend_idle_cores, bool), f"{p}.lend_idle_cores", self.lend_idle_cores,
-               "must be true or false")
 
 
 @dataclass
