@@ -1,11 +1,13 @@
 """Where a decode step's time goes on the GPU: graph replay time vs the loop, eager kernel profile.
 
-    python3 tools/gpu/hf_fast_profile.py [BATCH=256] [KV=static|paged] [SPAN=256]
+    python3 tools/gpu/hf_fast_profile.py [BATCH=256] [KV=static|paged] [SPANS=256]
 
-SPAN: the attended span of the timed graph (the rollout_long 1k case attends 512, 1024 and 1152).
+SPANS: the attended span(s) of the timed graphs, comma-separated (the rollout_long 1k case attends
+128..1152); the kernel profile is of the last. NO_PROFILE=1 skips the kernel profile.
 The first line also counts the host<->device syncs of one generate call (torch's sync debug
 mode), next to its decode steps: the loop should sync once per ``sync_every`` steps.
 """
+import os
 import sys
 import warnings
 
@@ -16,8 +18,9 @@ from streamrl.engines.hf_fast import FastHFEngine
 
 B, P = int(sys.argv[1]) if len(sys.argv) > 1 else 256, 128
 KV = sys.argv[2] if len(sys.argv) > 2 else "static"  # static | paged
-SPAN = int(sys.argv[3]) if len(sys.argv) > 3 else 256
-MAX_LEN = max(384, SPAN)
+SPANS = [int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "256").split(",")]
+SPAN = SPANS[-1]
+MAX_LEN = max(384, max(SPANS))
 model = build_bench_model("moe-1b", "cuda", "bfloat16")
 eng = FastHFEngine(model, None, device="cuda", batch_size=B, max_seq_len=MAX_LEN, eos_token_id=32768,
                    kv_cache=KV, span_bucket=SPAN if SPAN % 16 == 0 else 128)
@@ -34,23 +37,27 @@ with warnings.catch_warnings(record=True) as caught:
 syncs = sum("synchroniz" in str(w.message) for w in caught)
 print(f"B={B} kv={KV} generate of 64 new tokens: {eng.decode_steps - steps0} decode steps, {syncs} host syncs "
       f"(sync_every={eng.sync_every})")
-if (SPAN, False) not in eng.graphs:
-    eng.graphs[(SPAN, False)] = eng._capture(SPAN, False)
-with torch.no_grad(), eng._impl():
+with torch.inference_mode(), eng._impl():
+    for span in SPANS:  # as generate() runs (in grad mode the compile fails)
+        if (span, False) not in eng.graphs:
+            eng.graphs[(span, False)] = eng._capture(span, False)
     eng.max_new.fill_(256)
     eng._prefill(list(range(B)), prompts, False)
-    eng.cache.grow(list(range(B)), [SPAN] * B)  # paged: blocks for every position the steps write
-    g = eng.graphs[(SPAN, False)]
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(20):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    print(f"B={B} kv={KV} span={SPAN} graph replay: {e0.elapsed_time(e1) / 20:.3f} ms/step")
+    eng.cache.grow(list(range(B)), [MAX_LEN] * B)  # paged: blocks for every position the steps write
+    for span in SPANS:
+        g = eng.graphs[(span, False)]
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(20):
+            g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        print(f"B={B} kv={KV} span={span} graph replay: {e0.elapsed_time(e1) / 20:.3f} ms/step")
+    if os.environ.get("NO_PROFILE"):
+        sys.exit(0)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(3):
