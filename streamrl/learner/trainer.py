@@ -253,8 +253,8 @@ class Trainer:
         """
         lc = self.cfg.learner
         none = torch.zeros(adv.shape[0], dtype=torch.bool)
-        router_terms = self.is_moe and (lc.aux_loss_coef > 0 or lc.z_loss_coef > 0 or (
-            lc.router_freeze_steps > 0 and (lc.router_unfreeze_min_entropy > 0 or lc.router_unfreeze_max_usage_std > 0)))
+        gated = lc.router_freeze_steps > 0 and (lc.router_unfreeze_min_entropy > 0 or lc.router_unfreeze_max_usage_std > 0)
+        router_terms = self.is_moe and (lc.aux_loss_coef > 0 or lc.z_loss_coef > 0 or gated)
         if not lc.drop_zero_advantage or self.critic or lc.kl_coef > 0 or lc.entropy_coef > 0 or router_terms:
             return none
         a = adv.detach().cpu()
