@@ -332,6 +332,9 @@ class LearnerConfig:
     """GSPO clip epsilon above 1."""
     skip_no_signal: bool = True
     """Skip the optimizer step of a batch whose advantages are all 0 (every group's rewards alike)."""
+    drop_zero_advantage: bool = True
+    """Leave samples with advantage 0 on every loss token out of the forward/backward where that changes no gradient
+    (no critic, KL, entropy bonus, MoE router loss); per-sample metrics then cover only the trained samples."""
     minibatches: int = 1
     """Optimizer steps per batch; > 1 makes the proximal policy differ from the current one."""
     kl_coef: float = 0.0

@@ -51,3 +51,5 @@ def test_bench_learner_headline_is_the_shared_step(tiny_folder):
     assert 1 <= shared["microbatches_per_step"] < 12
     assert res["max_abs_logprob_diff"] < 1e-5 and res["max_abs_grad_diff"] < 1e-6
     assert shared["max_abs_grad"] > 0  # the gradients compared are not all zero
+    # every step runs every sample: no zero-advantage sample is left out of the comparison
+    assert res["drop_zero_advantage"] is False and shared["dropped_zero_adv_frac"] == 0.0

@@ -23,6 +23,9 @@ gradient pass), ``tokens_per_s`` (prompt + response tokens of the batch per seco
 ``peak_rss_GiB``; against ``padded``: ``speedup_vs_padded``, ``peak_mem_ratio_vs_padded``,
 ``max_abs_logprob_diff`` (response-token log-probs before the step) and ``max_abs_grad_diff``
 (every parameter's gradient of the first pass). With ``--json`` the last line is one JSON object.
+Every step trains every sample: ``learner.drop_zero_advantage`` is off (``"drop_zero_advantage":
+false`` in the JSON, ``dropped_zero_adv_frac`` 0 per step), so the padded and packed steps
+run the same samples whatever the batch's advantages.
 
 ``--attention`` picks ``learner.attention`` (auto: FlexAttention block masks on CUDA,
 attention by segments on CPU); ``--profile N`` profiles N more steps with torch.profiler and writes its table of
@@ -101,6 +104,10 @@ def make_config(args, impl: str):
         f"learner.shared_prompt={'true' if impl == 'shared' else 'false'}",
         # A bench batch of groups of one has no GRPO signal: the step must still run in full.
         "learner.skip_no_signal=false",
+        # ... and the padded and packed steps must run the same samples: the padded reference
+        # trains every sample, so the packed steps leave no zero-advantage sample out either
+        # (with groups of one every advantage is 0 and the drop would leave nothing to time)
+        "learner.drop_zero_advantage=false",
         *([f"learner.logprob_chunk_tokens={args.logprob_chunk}"] if args.logprob_chunk else []),
     ])
 
@@ -176,6 +183,7 @@ def run_child(args) -> int:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sync()
     t0 = time.perf_counter()
+    m = {}
     for _ in range(args.steps):
         m = padded_step(tr, batch) if impl == "padded" else tr.step(batch)
         if m and m.get("learner/skipped_no_signal"):
@@ -189,11 +197,13 @@ def run_child(args) -> int:
            "peak_rss_GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     if impl != "padded":
         res.update(diffs)
+        res["dropped_zero_adv_frac"] = m.get("learner/dropped_zero_adv_frac", 0.0)
     if args.device.startswith("cuda"):
         res["peak_cuda_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     if args.synthetic_moe:
         res.update(_flops(args, tr, float(pad["attention_mask"].sum()) / step_s))
     res["attention"] = tr.attention
+    res["drop_zero_advantage"] = tr.cfg.learner.drop_zero_advantage
     res["flex_options"] = args.flex_options
     res["logprob_chunk_tokens"] = tr.cfg.learner.logprob_chunk_tokens
     # The host part of the step before its first kernel (grid, advantages, packing, H2D copies,
@@ -316,6 +326,8 @@ def main(argv=None) -> int:
             res[impl] = r
             if not args.json:
                 print(json.dumps(r))
+    # off in every step (make_config): the comparison trains the same samples everywhere
+    res["drop_zero_advantage"] = any(res[i]["drop_zero_advantage"] for i in impls)
     # headline figures: the learner's default step (shared prompts), and the plain packed one next to it
     for impl in ("shared", "packed"):
         if impl in res and "padded" in res:

@@ -5,6 +5,14 @@ of it (cheap, and identical everywhere), and trains on its own slice of trajecto
 Losses are normalised by *global* counts (tokens or sequences) divided by the world size,
 because FSDP2's gradient reduce-scatter averages over ranks; the MoE router losses
 all-reduce their statistics so their gradient is that of the global loss too.
+
+Samples whose advantage is 0 on every loss token add exactly 0 to the loss and its gradient
+when nothing else trains on them (no critic, KL, entropy bonus or MoE router loss): with
+``learner.drop_zero_advantage`` they are left out of the micro-batches before the split over
+ranks, while every normaliser still counts them (:meth:`Trainer.zero_advantage_rows`). The
+per-sample metrics (``learner/entropy``, ``clip_frac``, ``is_weight_mean``,
+``is_truncated_frac``, ``behaviour_logprob_abs_diff``, the ``moe/`` router metrics) then
+cover only the trained samples; ``learner/dropped_zero_adv_frac`` says how many were left out.
 """
 from __future__ import annotations
 
@@ -186,6 +194,7 @@ class Trainer:
         n_all = num_trajectories(batch)
         mask = grid.loss_mask
         base = {
+            "learner/dropped_zero_adv_frac": float(self.zero_advantage_rows(adv, grid).float().mean()),
             "learner/reward_mean": float(batch["reward"].mean()),
             "learner/advantage_abs_mean": (float(adv.abs().mean()) if adv.ndim == 1 else
                                            float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))),
@@ -227,18 +236,42 @@ class Trainer:
         n_all = num_trajectories(batch)
         per_mb = math.ceil(n_all / self.cfg.learner.minibatches)
         mbs = [list(range(j, min(j + per_mb, n_all))) for j in range(0, n_all, per_mb)]
-        return grid, adv, mbs, [self._microbatches(batch, mb) for mb in mbs]
+        drop = self.zero_advantage_rows(adv, grid).tolist()
+        return grid, adv, mbs, [self._microbatches(batch, [i for i in mb if not drop[i]]) for mb in mbs]
+
+    def zero_advantage_rows(self, adv: torch.Tensor, grid: ResponseGrid) -> torch.Tensor:
+        """[N] bool: the samples to leave out of the forward/backward (``learner.drop_zero_advantage``).
+
+        A sample whose advantage is 0 on every loss token (``adv``: [N] or [N, R]) has a policy
+        loss of exactly 0 and a gradient of exactly 0 (``-0 * ratio``, in every loss preset,
+        ``ppo_coupled``, dual-clip and GSPO included), in every minibatch. Leaving it out changes
+        no gradient because the normalisers (``n_tok``, ``n_seq`` of ``learner.agg``) are taken
+        over the whole minibatch in :meth:`train_minibatch`, not over the micro-batches. All
+        False where another term trains on every sample: the V-trace critic's value loss, a KL
+        penalty, an entropy bonus, and an MoE's router losses (or the unfreeze gates reading
+        router metrics), which count every token.
+        """
+        lc = self.cfg.learner
+        none = torch.zeros(adv.shape[0], dtype=torch.bool)
+        gated = lc.router_freeze_steps > 0 and (lc.router_unfreeze_min_entropy > 0 or lc.router_unfreeze_max_usage_std > 0)
+        router_terms = self.is_moe and (lc.aux_loss_coef > 0 or lc.z_loss_coef > 0 or gated)
+        if not lc.drop_zero_advantage or self.critic or lc.kl_coef > 0 or lc.entropy_coef > 0 or router_terms:
+            return none
+        a = adv.detach().cpu()
+        a = a[:, None] if a.ndim == 1 else a
+        return ~((a != 0) & (grid.loss_mask > 0)).any(dim=1)
 
     def gradients(self, batch: TensorDict) -> dict[str, float]:
         """The gradient of the whole batch's loss left in ``.grad`` (no optimizer step), and its
         metrics: what :meth:`step` applies with ``minibatches = 1`` (the bench and tests compare it)."""
         grid, adv, mbs, plans = self._prepare(batch)
+        dropped = float(self.zero_advantage_rows(adv, grid).float().mean())
         self.model.train()
         self.optim.zero_grad(set_to_none=True)
         out: dict[str, float] = {}
         for mb, plan in zip(mbs, plans):
             out = self.train_minibatch(batch, grid, adv, mb, plan, optimizer_step=False)
-        return out
+        return {**out, "learner/dropped_zero_adv_frac": dropped}
 
     def _response_grid(self, batch: TensorDict) -> ResponseGrid:
         g = ResponseGrid(loss_mask=response_grid(batch, "response_mask"),
