@@ -36,7 +36,9 @@ what the loss functions take.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from tensordict import TensorDict
@@ -295,9 +297,43 @@ def build_microbatch(view: TrajectoryView, units: list[list[int]], shared: bool,
                       replay, rows, seg_ids, unit_ids, dummy)
 
 
+class LazyMicroBatches(Sequence):
+    """A rank's micro-batches, each built on its first access (then ``finish``-ed) and kept.
+
+    Why: the trainer touches micro-batch i+1 right after launching micro-batch i's forward and
+    backward, so the host work of i+1 (packing, pinned copies, its block mask) overlaps the
+    device's work on i instead of all of it preceding the first kernel. The micro-batches and
+    their order are those of building them all up front; a second pass (the proximal pre-pass,
+    the critic's) reuses what the first built.
+    """
+
+    def __init__(self, builders: list[Callable[[], MicroBatch]],
+                 finish: Callable[[MicroBatch], MicroBatch] | None = None):
+        self._builders = builders
+        self._finish = finish
+        self._built: list[MicroBatch | None] = [None] * len(builders)
+
+    def __len__(self) -> int:
+        return len(self._builders)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if self._built[i] is None:
+            mb = self._builders[i]()
+            self._built[i] = mb if self._finish is None else self._finish(mb)
+        return self._built[i]
+
+    def prefetch(self, i: int) -> None:
+        """Build micro-batch ``i`` now when there is one (the host's work while the device runs)."""
+        if 0 <= i < len(self):
+            self[i]
+
+
 def rank_microbatches(batch: TensorDict, rank_rows: list[list[int]], rank: int, budget: int, shared: bool,
-                      num_layers: int = 0, dense_mask: bool = True,
-                      feed_last: bool = True) -> tuple[list[MicroBatch], list[float]]:
+                      num_layers: int = 0, dense_mask: bool = True, feed_last: bool = True,
+                      finish: Callable[[MicroBatch], MicroBatch] | None = None
+                      ) -> tuple[LazyMicroBatches, list[float]]:
     """This rank's micro-batches, padded with zero-weight dummies to the largest count of any rank.
 
     Every rank must run the same number of forward/backward passes (FSDP all-gathers and
@@ -306,19 +342,20 @@ def rank_microbatches(batch: TensorDict, rank_rows: list[list[int]], rank: int, 
 
     Args:
         rank_rows: trajectory indices of every rank (``rank_rows[r]``; may be empty).
+        finish: applied to each micro-batch once it is built (the trainer's device copy).
     Returns:
-        (this rank's micro-batches, the global token weight of each micro-batch index: the sum
-        over ranks of their padded-layout token counts, prompt + response, at that index).
+        (this rank's micro-batches, built when first indexed (:class:`LazyMicroBatches`), the
+        global token weight of each micro-batch index: the sum over ranks of their padded-layout
+        token counts, prompt + response, at that index).
     """
     view = TrajectoryView(batch)
     plans = [plan_microbatches(batch, rows, budget, shared, view) for rows in rank_rows]
     count = max(max(len(p) for p in plans), 1)
-    weights = [sum(view.p_lens[i] + view.r_lens[i] for p in plans if j < len(p) for u in p[j] for i in u)
-               for j in range(count)]
-    mine = [build_microbatch(view, units, shared, num_layers, dense_mask=dense_mask, feed_last=feed_last)
-            for units in plans[rank]]
-    while len(mine) < count:
-        # The batch's first trajectory with zero weights: same collectives, no contribution.
-        mine.append(build_microbatch(view, [[0]], shared, num_layers, dummy=True, dense_mask=dense_mask,
-                                     feed_last=feed_last))
-    return mine, [float(w) for w in weights]
+    tokens = [p + r for p, r in zip(view.p_lens, view.r_lens)]
+    weights = [sum(tokens[i] for p in plans if j < len(p) for u in p[j] for i in u) for j in range(count)]
+    build = partial(build_microbatch, view, shared=shared, num_layers=num_layers, dense_mask=dense_mask,
+                    feed_last=feed_last)
+    mine = [partial(build, units) for units in plans[rank]]
+    # The batch's first trajectory with zero weights: same collectives, no contribution.
+    mine += [partial(build, [[0]], dummy=True)] * (count - len(mine))
+    return LazyMicroBatches(mine, finish), [float(w) for w in weights]

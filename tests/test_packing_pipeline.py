@@ -1,0 +1,106 @@
+"""Micro-batches built while the device runs, and the step's metrics read once.
+
+The trainer builds micro-batch i+1 (packing, device copy, block mask) right after launching
+micro-batch i's backward instead of all of them before the first forward; the micro-batches
+and their order must be exactly those of building them all up front. A step's metrics of every
+minibatch are read from the device once, after the last optimizer step is queued.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamrl.learner import packing, trainer as trainer_mod
+from streamrl.learner.packing import (LazyMicroBatches, TrajectoryView, build_microbatch, plan_microbatches,
+                                      rank_microbatches)
+
+from test_packing import _trainer, group_batch
+
+_FIELDS = ("input_ids", "position_ids", "select", "targets", "grid_row", "grid_col", "token_weight", "replay",
+           "segment_ids", "unit_ids")
+
+
+def _same(a, b) -> None:
+    for f in _FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f
+    assert a.rows == b.rows and a.dummy == b.dummy
+    assert (a.attention_mask is None) == (b.attention_mask is None)
+    assert a.attention_mask is None or torch.equal(a.attention_mask, b.attention_mask)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_lazy_microbatches_equal_the_eager_build(shared):
+    """Each micro-batch is built on its first access only, once, and equals the eager build of
+    the same plan; the rank with fewer micro-batches gets zero-weight dummies as before."""
+    batch = group_batch(4)
+    rank_rows = [list(range(0, 9)), list(range(9, 12))]  # rank 1 packs into fewer micro-batches
+    built = []
+    for rank in (0, 1):
+        micro, weights = rank_microbatches(batch, rank_rows, rank, 12, shared, num_layers=2,
+                                           finish=lambda m: built.append(m) or m)
+        view = TrajectoryView(batch)
+        plans = [plan_microbatches(batch, rows, 12, shared, view) for rows in rank_rows]
+        assert isinstance(micro, LazyMicroBatches) and len(micro) == max(len(p) for p in plans) > 1
+        assert built == []  # nothing built before the loop reaches it
+        eager = [build_microbatch(view, u, shared, 2) for u in plans[rank]]
+        eager += [build_microbatch(view, [[0]], shared, 2, dummy=True)] * (len(micro) - len(eager))
+        for i, want in enumerate(eager):
+            got = micro[i]
+            assert built[-1] is got and len(built) == i + 1
+            _same(got, want)
+        assert micro[0] is built[0] and len(built) == len(eager)  # kept, not rebuilt
+        assert [m.rows for m in micro] == [m.rows for m in eager]  # iteration, in order
+        assert any(m.dummy for m in micro) == (rank == 1)
+        assert weights == [float(sum(int(batch["prompt_lens"][i] + batch["response_lens"][i])
+                                     for p in plans if j < len(p) for u in p[j] for i in u))
+                           for j in range(len(micro))]
+        built.clear()
+
+
+def test_next_microbatch_built_after_the_backward_is_launched(monkeypatch):
+    """Events of one gradient pass: build i, forward i, backward i, then build i+1."""
+    batch = group_batch(5)
+    tr = _trainer(["learner.max_tokens_per_microbatch=12", "learner.aux_loss_coef=0"])
+    events = []
+    real = packing.build_microbatch
+    monkeypatch.setattr(packing, "build_microbatch", lambda *a, **k: events.append("build") or real(*a, **k))
+    tr.model.register_forward_pre_hook(lambda *_: events.append("forward"))
+    emb = tr.model.get_input_embeddings().weight
+    emb.register_hook(lambda g: events.append("backward"))  # its gradient comes last in the backward
+    tr.gradients(batch)
+    n = events.count("build")
+    assert n > 2
+    assert events == ["build", "forward", "backward"] * n
+
+
+def test_step_reads_the_metrics_once_and_they_equal_per_minibatch_reads(monkeypatch):
+    """minibatches = 2, several micro-batches each, routers frozen for the first step: one read of
+    the device for the whole step, the same metrics and weights as reading each minibatch's
+    metrics after its own optimizer step (train_minibatch)."""
+    batch = group_batch(6)
+    extra = ["learner.minibatches=2", "learner.max_tokens_per_microbatch=12", "learner.aux_loss_coef=0",
+             "learner.router_freeze_steps=2"]
+    a, b = _trainer(extra), _trainer(extra)
+    assert a.router.frozen
+    reads = []
+    real = trainer_mod._host_metrics_many
+    monkeypatch.setattr(trainer_mod, "_host_metrics_many", lambda accs: reads.append(len(accs)) or real(accs))
+    m = a.step(batch)
+    assert reads == [2]  # both minibatches' metrics in one read; no router gate read before 2 optimizer steps
+    monkeypatch.setattr(trainer_mod, "_host_metrics_many", real)
+
+    grid, adv, mbs, plans = b._prepare(batch)
+    b.model.train()
+    with torch.no_grad():
+        prox = [[b._run(b.model, x, grid_width=grid.width)[0] for x in micro] for micro, _ in plans]
+    per = [b.train_minibatch(batch, grid, adv, mb, plans[j], prox[j]) for j, mb in enumerate(mbs)]
+    for k in per[0]:
+        assert m[k] == pytest.approx(sum(p[k] for p in per) / len(per), rel=1e-6, abs=1e-9), k
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p.detach(), q.detach()), n
+    # past router_freeze_steps the unfreeze gate reads the router metrics before the optimizer step
+    reads.clear()
+    monkeypatch.setattr(trainer_mod, "_host_metrics_many", lambda accs: reads.append(len(accs)) or real(accs))
+    a.step(batch)
+    assert reads == [1, 2] and not a.router.frozen
