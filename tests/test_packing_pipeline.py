@@ -104,3 +104,17 @@ def test_step_reads_the_metrics_once_and_they_equal_per_minibatch_reads(monkeypa
     monkeypatch.setattr(trainer_mod, "_host_metrics_many", lambda accs: reads.append(len(accs)) or real(accs))
     a.step(batch)
     assert reads == [1, 2] and not a.router.frozen
+
+
+def test_h2d_grouped_keeps_every_tensor():
+    """Tensors of mixed dtypes and shapes (empty ones too) through one buffer per dtype: the same
+    values, dtypes and shapes (on CPU without pinning; the GPU case is in test_packing_gpu)."""
+    g = torch.Generator().manual_seed(0)
+    ts = {"ids": torch.randint(0, 50, (1, 7), generator=g), "sel": torch.arange(3),
+          "empty": torch.zeros(0, dtype=torch.int64), "w": torch.rand(7, generator=g),
+          "replay": torch.randint(-1, 4, (7, 2, 2), generator=g), "mask": torch.rand(1, 1, 7, 7, generator=g) > 0.5,
+          "cols": torch.rand(4, 6, generator=g)[:, ::2]}  # not contiguous
+    out = packing.h2d_grouped(ts, torch.device("cpu"), pin=False)
+    assert out.keys() == ts.keys()
+    for k, t in ts.items():
+        assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t), k

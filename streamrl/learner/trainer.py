@@ -28,8 +28,8 @@ from streamrl.learner.logprobs import HeadRequest, response_head, token_logprobs
 from streamrl.learner.padded_reference import padded_routed_experts  # noqa: F401  (re-exported)
 from streamrl.learner.moe_router import RouterController, router_metrics
 from streamrl.learner.objective import compute_policy_loss, kl_term
-from streamrl.learner.packing import (LazyMicroBatches, MicroBatch, ResponseGrid, rank_microbatches, response_grid,
-                                     response_positions)
+from streamrl.learner.packing import (LazyMicroBatches, MicroBatch, ResponseGrid, h2d_grouped, rank_microbatches,
+                                     response_grid, response_positions)
 from streamrl.learner.segment_attention import SegmentLayout, use_segment_attention
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.models.moe import find_moe_blocks
@@ -324,11 +324,13 @@ class Trainer:
             return moved
         return dataclasses.replace(moved, attention_mask=mb.attention_mask)
 
-    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the learner's device without blocking the host (pinned on CUDA)."""
+    def _h2d(self, *ts: torch.Tensor) -> list[torch.Tensor]:
+        """Host tensors on the learner's device without blocking the host (on CUDA one pinned
+        staging buffer and one copy per dtype: :func:`~streamrl.learner.packing.h2d_grouped`)."""
         if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+            return list(ts)
+        moved = h2d_grouped({str(i): t for i, t in enumerate(ts)}, self.device)
+        return [moved[str(i)] for i in range(len(ts))]
 
     def _run(self, model, mb: MicroBatch, grid_width: int, entropy: bool = False, values: bool = False):
         """Forward one micro-batch; returns response-grid tensors ``[b, R]``
@@ -387,7 +389,7 @@ class Trainer:
         crit_pre = self._critic_prepass(grid, micro, width, prox) if self.critic and len(micro) > 1 else None
         if optimizer_step:
             self.optim.zero_grad(set_to_none=True)
-        loss_mask, behav_all, adv_all = self._h2d(grid.loss_mask), self._h2d(grid.behav), self._h2d(adv)
+        loss_mask, behav_all, adv_all = self._h2d(grid.loss_mask, grid.behav, adv)
         acc: dict[str, torch.Tensor | float] = {}  # device scalars (or host floats) summed over micro-batches
         tok_sum = 0.0
         diff_sum = torch.zeros((), device=self.device)

@@ -28,6 +28,7 @@
 #               bwd64      bwd_BLOCK_M1=64,bwd_BLOCK_N1=64,bwd_BLOCK_M2=64,bwd_BLOCK_N2=64,bwd_num_warps=4
 #               bwd32x128  bwd_BLOCK_M1=32,bwd_BLOCK_N1=128,bwd_BLOCK_M2=128,bwd_BLOCK_N2=32,bwd_num_warps=4
 #               safe       ROWS_GUARANTEED_SAFE=true (every packed query sees at least itself)
+# GPU_TESTS=0 skips the packing GPU tests run first (tests/test_packing_gpu.py, ~20 s).
 # Output: one JSON line per run on stdout and in $OUT/learner_moe.jsonl, each run's full bench JSON
 # in $OUT/lm-<run>.json, full logs in $OUT/lm-<run>.log.
 # Env: RUNS (default "c4k c1k c16k c32kac"), STEPS (3), TOKENS (32768 tokens per step, a multiple
@@ -38,6 +39,10 @@
 set -uo pipefail
 source tools/gpu/env.sh || exit 1
 MODEL=/tmp/moe131
+# First the packing GPU tests (micro-batches moved through one pinned staging buffer per dtype)
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_packing_gpu.py 2>&1 | tail -3 | tee "$OUT/pytest_packing_gpu.log"
+fi
 STEPS=${STEPS:-3}
 BUDGET=${BUDGET:-32768}
 START=$(date +%s)
