@@ -23,7 +23,7 @@ _FIELDS = ("input_ids", "position_ids", "select", "targets", "grid_row", "grid_c
 def _same(a, b) -> None:
     for f in _FIELDS:
         x, y = getattr(a, f), getattr(b, f)
-        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f
+        assert (x is None) == (y is None) and (x is None or (x.dtype == y.dtype and torch.equal(x, y))), f
     assert a.rows == b.rows and a.dummy == b.dummy
     assert (a.attention_mask is None) == (b.attention_mask is None)
     assert a.attention_mask is None or torch.equal(a.attention_mask, b.attention_mask)
@@ -118,3 +118,107 @@ def test_h2d_grouped_keeps_every_tensor():
     assert out.keys() == ts.keys()
     for k, t in ts.items():
         assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t), k
+
+
+def _reference_build(view, units, shared, num_layers=0, dummy=False, dense_mask=True, feed_last=True):
+    """build_microbatch as it was, one tensor op per sequence: the reference of the vectorised one."""
+    ids, pos = [], []
+    # one (segment, unit, token weight, length) run per prompt or response: expanded to [N] by
+    # repeat_interleave at the end (per-token Python lists of a 32k-token row took ~20 ms)
+    seg, unit_of, weight, run_len = [], [], [], []
+    select, targets, g_row, g_col = [], [], [], []
+    replay_at: list[tuple[int, int]] = []  # (row position, trajectory) of the first token of a segment
+    rows: list[int] = []
+    n = 0
+    for u_idx, unit in enumerate(units):
+        p = view.p_lens[unit[0]]
+        prompt = view.prompt(unit[0])
+        ids.append(prompt[: p - 1])
+        pos.append(torch.arange(p - 1))
+        seg.append(-1)
+        unit_of.append(u_idx)
+        weight.append(float(len(unit)))
+        run_len.append(p - 1)
+        n += p - 1
+        for i in unit:
+            r = view.r_lens[i]
+            resp = view.response_tokens[view.r_off[i] : view.r_off[i] + r]
+            fed = r + 1 if feed_last or r == 0 else r  # the segment's tokens in the row
+            ids.append(torch.cat([view.prompt(i)[p - 1 :], resp])[:fed])
+            pos.append(torch.arange(p - 1, p - 1 + fed))
+            seg.append(len(rows))
+            unit_of.append(u_idx)
+            weight.append(1.0)
+            run_len.append(fed)
+            select.append(torch.arange(n, n + r))
+            targets.append(resp)
+            g_row.append(torch.full((r,), len(rows), dtype=torch.int64))
+            g_col.append(torch.arange(r))
+            replay_at.append((n, i))
+            rows.append(i)
+            n += fed
+    input_ids = torch.cat(ids).long()[None]
+    position_ids = torch.cat(pos).long()[None]
+    run_of_token = torch.repeat_interleave(torch.tensor(run_len, dtype=torch.int64))  # [N]
+    seg_ids = torch.tensor(seg, dtype=torch.int64)[run_of_token]
+    unit_ids = torch.tensor(unit_of, dtype=torch.int64)[run_of_token]
+    mask = None
+    if dense_mask and shared and any(len(u) > 1 for u in units):
+        mask = packing.dense_packed_mask(seg_ids, unit_ids)
+    replay = None
+    if view.routed is not None and num_layers:
+        k = view.routed.shape[-1]
+        if view.routed.shape[1] != num_layers:
+            raise ValueError(f"routed_experts has {view.routed.shape[1]} layers, the model has {num_layers} MoE layers")
+        replay = torch.full((n, num_layers, k), -1, dtype=torch.int64)
+        for start, i in replay_at:
+            r = view.r_lens[i]
+            replay[start : start + r] = view.routed[view.r_off[i] : view.r_off[i] + r].long()
+    tw = torch.tensor(weight, dtype=torch.float32)[run_of_token] * (0.0 if dummy else 1.0)
+    cat = lambda xs, dt=torch.int64: torch.cat(xs).to(dt) if xs else torch.zeros(0, dtype=dt)  # noqa: E731
+    return packing.MicroBatch(input_ids, position_ids, mask, cat(select), cat(targets), cat(g_row), cat(g_col), tw,
+                              replay, rows, seg_ids, unit_ids, dummy)
+
+
+@pytest.mark.parametrize("shared,feed_last,dense_mask", [(True, True, True), (True, False, False),
+                                                          (False, True, True), (False, False, True)])
+def test_vectorised_build_equals_the_per_sequence_build(shared, feed_last, dense_mask):
+    """Every field equal to the per-sequence construction it replaced: shared prompts or not,
+    with and without each sample's last token, R3 replay ids, empty responses, a dummy."""
+    batch = group_batch(7, groups=4, g=3)
+    view = TrajectoryView(batch)
+    for budget in (10_000, 25):
+        for units in plan_microbatches(batch, list(range(12)), budget, shared, view):
+            for dummy in (False, True):
+                kw = dict(num_layers=2, dummy=dummy, dense_mask=dense_mask, feed_last=feed_last)
+                _same(build_microbatch(view, units, shared, **kw), _reference_build(view, units, shared, **kw))
+
+
+def test_vectorised_build_with_empty_responses():
+    """A response of 0 tokens keeps the sample's last prompt token in the row (as before)."""
+    from streamrl.trajectory import pack_trajectories
+
+    prompts = [[1, 5, 6], [1, 5, 6], [1, 7]]
+    resp = [[9, 9], [], [4]]
+    batch = pack_trajectories(prompts, resp, [[-0.5] * len(r) for r in resp], [[0] * len(r) for r in resp],
+                              [0.1, 0.2, 0.3], [0, 0, 1], [0, 1, 2], 0, 0.0)
+    view = TrajectoryView(batch)
+    for shared in (True, False):
+        for feed_last in (True, False):
+            units = plan_microbatches(batch, [0, 1, 2], 10_000, shared, view)[0]
+            got = build_microbatch(view, units, shared, feed_last=feed_last)
+            _same(got, _reference_build(view, units, shared, feed_last=feed_last))
+
+
+def test_response_grid_lays_out_each_response():
+    from streamrl.learner.packing import response_grid
+
+    batch = group_batch(8)
+    r = batch["response_lens"].tolist()
+    grid = response_grid(batch, "behaviour_logprobs", fill=7.0)
+    assert grid.shape == (len(r), max(r))
+    flat = batch["behaviour_logprobs"]
+    o = 0
+    for i, n in enumerate(r):
+        assert torch.equal(grid[i, :n], flat[o : o + n]) and bool((grid[i, n:] == 7.0).all())
+        o += n
