@@ -118,6 +118,7 @@ def test_h2d_grouped_keeps_every_tensor():
     assert out.keys() == ts.keys()
     for k, t in ts.items():
         assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t), k
+        assert out[k].is_contiguous() and out[k].data_ptr() % 16 == 0, k  # what compiled kernels assume
 
 
 def _reference_build(view, units, shared, num_layers=0, dummy=False, dense_mask=True, feed_last=True):
