@@ -39,13 +39,13 @@
 set -uo pipefail
 source tools/gpu/env.sh || exit 1
 MODEL=/tmp/moe131
+START=$(date +%s)  # TOTAL_S counts the tests too
 # First the packing GPU tests (micro-batches moved through one pinned staging buffer per dtype)
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_packing_gpu.py 2>&1 | tail -3 | tee "$OUT/pytest_packing_gpu.log"
 fi
 STEPS=${STEPS:-3}
 BUDGET=${BUDGET:-32768}
-START=$(date +%s)
 for RUN in ${RUNS:-c4k c1k c16k c32kac}; do
   COMPILED="--compile --logprob-chunk ${CHUNK:-4096}"
   TOK=${TOKENS:-32768}
