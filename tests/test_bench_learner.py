@@ -48,7 +48,9 @@ def test_bench_learner_headline_is_the_shared_step(tiny_folder):
     shared = res["shared"]
     assert res["speedup_vs_padded"] == pytest.approx(res["padded"]["step_s"] / shared["step_s"])
     # the shared layout: a 3 x 4 group's prompt once per unit, so fewer micro-batches than rows
-    assert 1 <= shared["microbatches_per_step"] < 12
+    assert 1 < shared["microbatches_per_step"] < 12
+    # the host work before the step's first kernel is micro-batch 0's share of all of it
+    assert 0 < shared["first_kernel_s"] <= shared["prepare_s"]
     assert res["max_abs_logprob_diff"] < 1e-5 and res["max_abs_grad_diff"] < 1e-6
     assert shared["max_abs_grad"] > 0  # the gradients compared are not all zero
     # every step runs every sample: no zero-advantage sample is left out of the comparison

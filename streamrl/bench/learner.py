@@ -206,13 +206,21 @@ def run_child(args) -> int:
     res["drop_zero_advantage"] = tr.cfg.learner.drop_zero_advantage
     res["flex_options"] = args.flex_options
     res["logprob_chunk_tokens"] = tr.cfg.learner.logprob_chunk_tokens
-    # The host part of the step before its first kernel (grid, advantages, packing, H2D copies,
-    # block masks): on the GPU it is part of the wall-vs-device gap
+    # The host part of the step (grid, advantages, packing, H2D copies, block masks):
+    # ``prepare_s`` all of it for the step's micro-batches, ``first_kernel_s`` what precedes its
+    # first kernel (the grid, the advantages and micro-batch 0; the trainer builds each later
+    # one while the device runs the one before): on the GPU that part is in the wall-vs-device gap
     sync()
     t1 = time.perf_counter()
-    res["microbatches_per_step"] = len(tr._prepare(batch)[3][0][0])
+    micro = tr._prepare(batch)[3][0][0]
+    micro.prefetch(0)
+    sync()
+    res["first_kernel_s"] = time.perf_counter() - t1
+    for i in range(1, len(micro)):
+        micro.prefetch(i)
     sync()
     res["prepare_s"] = time.perf_counter() - t1
+    res["microbatches_per_step"] = len(micro)
     if args.profile:
         from streamrl.bench.learner_step import profile_breakdown
 

@@ -36,7 +36,8 @@ from streamrl.learner.logprobs import HeadRequest, response_head, token_logprobs
 from streamrl.learner.padded_reference import padded_routed_experts  # noqa: F401  (re-exported)
 from streamrl.learner.moe_router import RouterController, router_metrics
 from streamrl.learner.objective import compute_policy_loss, kl_term
-from streamrl.learner.packing import MicroBatch, ResponseGrid, rank_microbatches, response_grid, response_positions
+from streamrl.learner.packing import (LazyMicroBatches, MicroBatch, ResponseGrid, h2d_grouped, rank_microbatches,
+                                     response_grid, response_positions)
 from streamrl.learner.segment_attention import SegmentLayout, use_segment_attention
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.models.moe import find_moe_blocks
@@ -88,10 +89,19 @@ def clip_grad_norm_on_device(params, max_norm: float, group=None) -> torch.Tenso
 
 def _host_metrics(acc: dict[str, torch.Tensor | float]) -> dict[str, float]:
     """Device scalars and floats -> floats, with a single device-to-host copy."""
-    keys = [k for k, v in acc.items() if isinstance(v, torch.Tensor)]
-    dev = acc[keys[0]].device if keys else None
-    vals = torch.stack([acc[k].detach().to(dev, torch.float64).reshape(()) for k in keys]).tolist() if keys else []
-    return {**{k: float(v) for k, v in acc.items() if not isinstance(v, torch.Tensor)}, **dict(zip(keys, vals))}
+    return _host_metrics_many([acc])[0]
+
+
+def _host_metrics_many(accs: list[dict[str, torch.Tensor | float]]) -> list[dict[str, float]]:
+    """:func:`_host_metrics` of several dicts with ONE device-to-host copy for all of them."""
+    keys = [(j, k) for j, acc in enumerate(accs) for k, v in acc.items() if isinstance(v, torch.Tensor)]
+    dev = accs[keys[0][0]][keys[0][1]].device if keys else None
+    vals = (torch.stack([accs[j][k].detach().to(dev, torch.float64).reshape(()) for j, k in keys]).tolist()
+            if keys else [])
+    out = [{k: float(v) for k, v in acc.items() if not isinstance(v, torch.Tensor)} for acc in accs]
+    for (j, k), v in zip(keys, vals):
+        out[j][k] = v
+    return out
 
 
 def one_causal_sequence(mb: MicroBatch) -> bool:
@@ -213,9 +223,16 @@ class Trainer:
         if lc.minibatches > 1 and lc.loss != "ppo_coupled":
             with torch.no_grad():
                 prox_all = [[self._run(self.model, m, grid_width=grid.width)[0] for m in micro] for micro, _ in plans]
-        agg: dict[str, float] = {}
+        # Every minibatch's metrics stay on the device until all optimizer steps are queued: one
+        # wait for the device per step, not one per minibatch.
+        pending = []
         for j, mb in enumerate(mbs):
-            m = self.train_minibatch(batch, grid, adv, mb, plans[j], None if prox_all is None else prox_all[j])
+            pending.append(self._minibatch_pass(batch, grid, adv, mb, plans[j],
+                                                None if prox_all is None else prox_all[j]))
+            if j + 1 < len(mbs):  # the next minibatch's first micro-batch while the device steps
+                plans[j + 1][0].prefetch(0)
+        agg: dict[str, float] = {}
+        for m in self._read_metrics(pending):
             for k, v in m.items():
                 agg[k] = agg.get(k, 0.0) + v / len(mbs)
         metrics = {**agg, **base, "learner/skipped_no_signal": 0.0, "learner/compute_s": time.perf_counter() - t0}
@@ -230,7 +247,11 @@ class Trainer:
         return bool(lc.skip_no_signal and not self.critic and lc.kl_coef == 0 and not adv.any())
 
     def _prepare(self, batch: TensorDict):
-        """(response grid, advantages, minibatches as trajectory lists, each one's micro-batch plan)."""
+        """(response grid, advantages, minibatches as trajectory lists, each one's micro-batch plan).
+
+        The plans' micro-batches are built when the training loop first reaches them
+        (:class:`~streamrl.learner.packing.LazyMicroBatches`): only the grid and the advantages
+        are host work before the step's first kernel."""
         grid = self._response_grid(batch)
         adv = self._advantages(batch, grid)
         n_all = num_trajectories(batch)
@@ -311,13 +332,14 @@ class Trainer:
         layers = len(self.blocks) if (lc.routing_replay and self.blocks) else 0
         # A dense model leaves each sample's last token out of the rows (its output predicts
         # nothing); an MoE keeps it for the router losses, which count every token.
-        micro, weights = rank_microbatches(batch, rank_rows, self.rank, lc.max_tokens_per_microbatch, lc.shared_prompt,
-                                           layers, dense_mask=self.attention == "sdpa", feed_last=self.is_moe)
-        return [self._on_device(m) for m in micro], weights
+        return rank_microbatches(batch, rank_rows, self.rank, lc.max_tokens_per_microbatch, lc.shared_prompt,
+                                 layers, dense_mask=self.attention == "sdpa", feed_last=self.is_moe,
+                                 finish=self._on_device)
 
     def _on_device(self, mb: MicroBatch) -> MicroBatch:
-        """``mb`` on the learner's device (non-blocking copies; the step moves all of its
-        micro-batches up front) with its FlexAttention ``BlockMask`` when ``attention`` is flex.
+        """``mb`` on the learner's device (non-blocking copies of pinned memory; the step moves
+        each micro-batch while the device still runs the previous one) with its FlexAttention
+        ``BlockMask`` when ``attention`` is flex.
         A dense sdpa mask stays on the host until its forward (``[N, N]`` each)."""
         has_row_mask = isinstance(mb.attention_mask, (BlockMask, SegmentLayout))  # built on the device
         if mb.input_ids.device == self.device and (self.attention == "sdpa" or has_row_mask):
@@ -335,11 +357,13 @@ class Trainer:
             return moved
         return dataclasses.replace(moved, attention_mask=mb.attention_mask)
 
-    def _h2d(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the learner's device without blocking the host (pinned on CUDA)."""
+    def _h2d(self, *ts: torch.Tensor) -> list[torch.Tensor]:
+        """Host tensors on the learner's device without blocking the host (on CUDA one pinned
+        staging buffer and one copy per dtype: :func:`~streamrl.learner.packing.h2d_grouped`)."""
         if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+            return list(ts)
+        moved = h2d_grouped({str(i): t for i, t in enumerate(ts)}, self.device)
+        return [moved[str(i)] for i in range(len(ts))]
 
     def _run(self, model, mb: MicroBatch, grid_width: int, entropy: bool = False, values: bool = False):
         """Forward one micro-batch; returns response-grid tensors ``[b, R]``
@@ -370,13 +394,21 @@ class Trainer:
                 mb.to_grid(res[:, 2], grid_width) if values else None, routers)
 
     def train_minibatch(self, batch: TensorDict, grid: ResponseGrid, adv: torch.Tensor, mb: list[int],
-                        plan: tuple[list[MicroBatch], list[float]], prox: list[torch.Tensor] | None = None,
+                        plan: tuple[LazyMicroBatches, list[float]], prox: list[torch.Tensor] | None = None,
                         optimizer_step: bool = True) -> dict[str, float]:
         """Accumulate the gradient of minibatch ``mb`` over this rank's micro-batches, then
         (``optimizer_step``) clip and step. The gradient is that of one loss over the whole
         minibatch: every term is normalised by global counts (``learner.agg``), and the router
-        losses by each micro-batch's share of the global tokens.
+        losses by each micro-batch's share of the global tokens. Returns its metrics (read from
+        the device once, after the optimizer step is queued).
         """
+        return self._read_metrics([self._minibatch_pass(batch, grid, adv, mb, plan, prox, optimizer_step)])[0]
+
+    def _minibatch_pass(self, batch: TensorDict, grid: ResponseGrid, adv: torch.Tensor, mb: list[int],
+                        plan: tuple[LazyMicroBatches, list[float]], prox: list[torch.Tensor] | None = None,
+                        optimizer_step: bool = True) -> tuple[dict[str, torch.Tensor | float], float]:
+        """:meth:`train_minibatch` up to its metrics, which stay on the device:
+        (device scalars or floats summed over micro-batches, response tokens seen)."""
         lc = self.cfg.learner
         micro, weights = plan
         width = grid.width
@@ -390,7 +422,7 @@ class Trainer:
         crit_pre = self._critic_prepass(grid, micro, width, prox) if self.critic and len(micro) > 1 else None
         if optimizer_step:
             self.optim.zero_grad(set_to_none=True)
-        loss_mask, behav_all, adv_all = self._h2d(grid.loss_mask), self._h2d(grid.behav), self._h2d(adv)
+        loss_mask, behav_all, adv_all = self._h2d(grid.loss_mask, grid.behav, adv)
         acc: dict[str, torch.Tensor | float] = {}  # device scalars (or host floats) summed over micro-batches
         tok_sum = 0.0
         diff_sum = torch.zeros((), device=self.device)
@@ -450,13 +482,18 @@ class Trainer:
                     add("moe/z_loss", z.detach() * share / self.world)
                 for k, v in router_metrics(routers, self.top_k, tok_w, group, as_tensors=True).items():
                     add(k, v * share)
-            loss.backward()
             with torch.no_grad():
                 tok_sum += n_m
                 diff_sum += ((behav - logp.detach()).abs() * mask).sum()
+            loss.backward()
+            # The next micro-batch's host work (packing, pinned copies, H2D, block mask) while
+            # the device runs this one's backward (queued by now on CUDA).
+            micro.prefetch(i + 1)
         acc["learner/behaviour_logprob_abs_diff"] = diff_sum / tok_sum if tok_sum else 0.0
         if optimizer_step:
-            if routers and self.router.frozen:  # the unfreeze gates read router metrics: a wait, while frozen only
+            # The unfreeze gates read router metrics (a wait for the device): only while frozen
+            # and past router_freeze_steps, before which they cannot unfreeze whatever they read.
+            if routers and self.router.frozen and self.steps_done >= lc.router_freeze_steps:
                 self.router.update_freeze(self.steps_done, _host_metrics(acc))
             self.router.drop_grads()
             acc["learner/grad_norm"] = clip_grad_norm_on_device(self.model.parameters(), lc.grad_clip,
@@ -465,10 +502,17 @@ class Trainer:
             if self.router.ema:
                 self.router.update_ema()
             self.steps_done += 1
-        metrics = _host_metrics(acc)  # the step's one wait for the device
-        for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
-            metrics[f"learner/{k}"] = metrics[f"learner/{k}"] / tok_sum if tok_sum else (1.0 if k == "is_weight_mean" else 0.0)
-        return self._reduce_metrics(metrics)
+        return acc, tok_sum
+
+    def _read_metrics(self, pending: list[tuple[dict[str, torch.Tensor | float], float]]) -> list[dict[str, float]]:
+        """The metrics of :meth:`_minibatch_pass` results as floats: one wait for the device for all."""
+        out = []
+        for metrics, (_, tok_sum) in zip(_host_metrics_many([acc for acc, _ in pending]), pending):
+            for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
+                metrics[f"learner/{k}"] = (metrics[f"learner/{k}"] / tok_sum if tok_sum else
+                                           (1.0 if k == "is_weight_mean" else 0.0))
+            out.append(self._reduce_metrics(metrics))
+        return out
 
     def _critic_targets(self, grid: ResponseGrid, rows: list[int], values, prox_logp, mask):
         """(V-trace targets [b, R], per-token policy advantages [b, R]) of trajectories ``rows``."""
