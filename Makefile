@@ -38,7 +38,7 @@ test: setup
 
 # slow, vllm, chaos and multinode tiers (gpu needs the GPU machine). Exit 5 = no test in a tier.
 test-tiers: setup
-	$(PYTEST) -q -m "(slow or vllm or chaos or multinode) and not heavy" -p no:cacheprovider || [ $$? -eq 5 ]
+	$(PYTEST) -q -m "(slow or vllm or chaos or multinode) and not heavy" -p no:cacheprovider --durations=25 || [ $$? -eq 5 ]
 
 # Minutes per test on 2 cores (torch.compile on CPU, 4 gloo ranks on 2 cores): by hand, not in .ci/run.
 test-heavy: setup
