@@ -492,7 +492,7 @@ class PlacementConfig:
     rollout_threads: int = 0
     """Intra-op threads per rollout worker; 0 = the host's cores / all its processes (at least 1)."""
     lend_idle_cores: bool = True
-    """CPU learner: borrow the threads of this host's CPU rollout workers while they wait (admission, backpressure)."""
+    """CPU learner and workers of one host lend idle cores: the learner a waiting worker's threads, an hf_fast worker the waiting learner's."""
 
     def validate(self, p: str) -> None:
         from streamrl.placement import validate_placement_config  # noqa: PLC0415 (no import cycle)

@@ -90,6 +90,20 @@ def test_sampler_top_p_and_distribution():
     torch.testing.assert_close(lp[tok == 0][0], torch.tensor(0.625).log())
 
 
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.9)])
+def test_sampler_in_scratch_draws_the_same_tokens_and_logprobs(top_k, top_p):
+    """The CPU engine's in-place draw (scratch buffers, logits overwritten) is bit for bit the
+    plain one: same random stream, same kernels; fewer rows than the scratch holds too."""
+    scratch = torch.empty(2, 8, 300)
+    for n in (8, 3):
+        logits = torch.randn(n, 300) * 3
+        torch.manual_seed(n)
+        want = sample_tokens(logits.clone(), torch.tensor([0.7]), top_k, top_p)
+        torch.manual_seed(n)
+        got = sample_tokens(logits.clone(), torch.tensor([0.7]), top_k, top_p, scratch)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_routing_recorded_per_token(tiny):
     model, tok = tiny
     prompts = _prompts(3, seed=2)

@@ -164,9 +164,12 @@ def test_cpu_learner_is_told_the_worker_threads_it_may_borrow():
     plan = plan_node(PlacementConfig(), learners=1, rollers=2)
     assign_threads(plan, 8)
     assert plan.learner.env["STREAMRL_LENDABLE_THREADS"] == "4"  # rollout-0 + rollout-1, 2 threads each
+    # the other way: the learner's 4 threads split over the two CPU workers while it waits
+    assert [r.env["STREAMRL_BORROWABLE_THREADS"] for r in plan.rollouts] == ["2", "2"]
     gpu_workers = plan_node(PlacementConfig(rollout=["cuda:0"]), learners=1, rollers=1, gpu_count=1)
     assign_threads(gpu_workers, 8)
     assert gpu_workers.learner.env["STREAMRL_LENDABLE_THREADS"] == "0"  # a GPU worker's threads feed its GPU
     gpu_learner = plan_node(PlacementConfig(learner=["cuda:0"]), learners=1, rollers=1, gpu_count=1)
     assign_threads(gpu_learner, 8)
     assert "STREAMRL_LENDABLE_THREADS" not in gpu_learner.learner.env
+    assert "STREAMRL_BORROWABLE_THREADS" not in gpu_learner.rollouts[0].env  # a GPU learner lends no cores

@@ -19,13 +19,14 @@ from streamrl.learner.accounting import Ledger
 TTL_S = 1.0
 
 
-def gated_worker(repo, tmp_path, redis_url: str, run_id: str, gate_s: float):
-    """``(coord, worker, gate)``: the real rollout worker on the tiny config (hf_fast) at version
-    0, whose batches wait for ``gate`` (at most ``gate_s``) before they generate; its
-    trajectories go to an endpoint nobody listens on. The caller starts ``worker.run``."""
+def gated_worker(repo, tmp_path, redis_url: str, run_id: str, gate_s: float, overrides: tuple = ()):
+    """``(coord, worker, gate)``: the real rollout worker on the tiny config (hf_fast, plus
+    ``overrides``) at version 0, whose batches wait for ``gate`` (at most ``gate_s``) before they
+    generate; its trajectories go to an endpoint nobody listens on. The caller starts ``worker.run``."""
     from streamrl.workers import rollout  # noqa: PLC0415 (installed layout of workers/)
 
-    cfg = load_config(str(repo / "configs/tiny.yaml"), [f"run.run_dir={tmp_path}", "rollout.engine=hf_fast"])
+    cfg = load_config(str(repo / "configs/tiny.yaml"), [f"run.run_dir={tmp_path}", "rollout.engine=hf_fast",
+                                                                *overrides])
     coord = Coordinator(redis_url, run_id)
     coord.put_config(cfg.to_dict())
     coord.set_endpoint("trajectories", "tcp://127.0.0.1:9")  # nobody listens: the batch is never delivered

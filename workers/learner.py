@@ -27,7 +27,7 @@ from streamrl.config import config_from_dict, load_config
 from streamrl.coord.coordinator import Coordinator
 from streamrl.learner.checkpoint import checkpoint_dir
 from streamrl.learner.checkpointer import Checkpointer, RunProgress
-from streamrl.learner.core_lending import make_core_lender
+from streamrl.learner.core_lending import BUSY, WAITING, make_core_lender, make_learner_phase
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.intake import Intake
 from streamrl.learner.trainer import Trainer
@@ -62,8 +62,10 @@ def main(argv=None) -> int:
     lender = make_core_lender(cfg, coord, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if lender is not None:
         lender.attach(trainer.model)
-    intake = publisher = report = None
+    intake = publisher = report = phase = None
     if rank == 0:
+        # lend this host's CPU workers the learner's cores while it waits for data (streamrl.core_borrowing)
+        phase = make_learner_phase(cfg, coord, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         intake, publisher = _bind(args, cfg, coord, log)
         report = Reporter(cfg, coord, intake, publisher)
     run = RunProgress()
@@ -78,7 +80,11 @@ def main(argv=None) -> int:
     try:
         while run.step < cfg.run.steps:
             t_wait = time.perf_counter()
+            if phase is not None:
+                phase.set(WAITING)
             batch = intake.next_batch(run.version) if rank == 0 else None
+            if phase is not None:
+                phase.set(BUSY)
             idle = time.perf_counter() - t_wait
             if broadcast_flag(int(rank == 0 and batch is None)):
                 reason = coord.stop_reason()
@@ -108,6 +114,8 @@ def main(argv=None) -> int:
     finally:
         if lender is not None:
             lender.close()
+        if phase is not None:
+            phase.close()
         if rank == 0:
             report.finish(run, status, resumed_step)
         if dist.is_initialized():

@@ -31,6 +31,7 @@ import torch
 
 from streamrl.config import Config, config_from_dict
 from streamrl.coord.coordinator import Coordinator
+from streamrl.core_borrowing import make_core_borrower
 from streamrl.engines.factory import build_engine
 from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.metrics import RateLimitedRedisSink
@@ -194,6 +195,8 @@ class RolloutWorker:
         self.host = socket.gethostname()
         self._last_poll = 0.0
         self.inflight_loads = 0
+        # decode with the colocated CPU learner's cores while it waits for data (streamrl.core_borrowing)
+        self.borrower = make_core_borrower(cfg, self.coord)
 
     def _next_id(self) -> int:
         self.counter += 1
@@ -242,6 +245,12 @@ class RolloutWorker:
             return None
         self.inflight_loads += 1
         return v, handoff.tensors
+
+    def _step_hook(self):
+        """The engine's per-step hook: take or give back the learner's threads (core borrowing),
+        then the in-flight update check if that is on."""
+        self.borrower.apply()
+        return self.between_steps() if self.cfg.rollout.inflight_updates else None
 
     def _with_reference(self, target) -> list:
         return [self.reference, target] if self.reference is not None else [target]
@@ -303,8 +312,13 @@ class RolloutWorker:
                     time.sleep(0.05)
                     continue
                 t_gen = time.perf_counter()
-                td = self.roller.rollout_batch(self.subscriber.loaded_version,
-                                               self.between_steps if rc.inflight_updates else None)
+                hook = self._step_hook if self.borrower is not None else (
+                    self.between_steps if rc.inflight_updates else None)
+                try:
+                    td = self.roller.rollout_batch(self.subscriber.loaded_version, hook)
+                finally:
+                    if self.borrower is not None:
+                        self.borrower.end_batch()
                 gen_s = time.perf_counter() - t_gen
                 if self.roles is not None:
                     td = self.roles(td)
@@ -330,6 +344,7 @@ class RolloutWorker:
                     **self.subscriber.timings,  # weights/transfer_s, verify_s, load_s of the newest load
                     **getattr(self.roller, "last_metrics", {}),  # env/... of multi-turn episodes
                     **versions_spanned(td["policy_version"], td["response_lens"]),  # in-flight drift
+                    **(self.borrower.metrics() if self.borrower is not None else {}),
                 })
         finally:
             beating.set()
@@ -340,6 +355,8 @@ class RolloutWorker:
             except Exception as e:  # Redis or socket already gone: nothing more to deliver
                 self.log.warning("flush on exit skipped: %s", e)
             sender.close()
+            if self.borrower is not None:
+                self.borrower.close()
             self.metrics.close()
             if self.roles is not None:
                 self.roles.close()

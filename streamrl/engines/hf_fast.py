@@ -168,6 +168,11 @@ class FastHFEngine:
         self.gen = torch.zeros(b, dtype=torch.long, device=dev)      # tokens drawn so far
         self.done = torch.ones(b, dtype=torch.bool, device=dev)
         self.temp = torch.ones(1, dtype=torch.float32, device=dev)
+        # CPU: the sampler's log-probs and noise [2, B, V] reused across steps, its draw in place in the logits
+        # (no fresh 12 MB temporaries and their page faults per SmolLM2 step; same tokens). Not on
+        # CUDA: the captured graphs keep their own memory pool.
+        self.noise = (torch.empty(2, b, self.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
+                      if dev.type == "cpu" else None)
         self.max_new = torch.ones(b, dtype=torch.long, device=dev)   # response cap of each slot
         self.out_tok = torch.zeros(b, s + 1, dtype=torch.long, device=dev)  # column s: trash for idle rows
         self.out_lp = torch.zeros(b, s + 1, dtype=torch.float32, device=dev)
@@ -294,7 +299,7 @@ class FastHFEngine:
 
     def _first_tokens(self, rows: torch.Tensor, logits: torch.Tensor, lens: torch.Tensor, greedy: bool) -> None:
         """Draw each slot's first response token from its prompt's last logits ``[n, V]``."""
-        tok, lp = sample_tokens(logits, None if greedy else self.temp, self.top_k, self.top_p)
+        tok, lp = sample_tokens(logits, None if greedy else self.temp, self.top_k, self.top_p, self.noise)
         self.out_tok[rows, 0], self.out_lp[rows, 0] = tok, lp
         self.tok[rows], self.pos[rows] = tok, lens
         self.gen[rows] = 1
@@ -316,7 +321,7 @@ class FastHFEngine:
         x = self._layers(x, mask, pos_ids)
         self._route_at = None
         logits = self.lm_head(self.norm(x[:, -1])).float()
-        tok, lp = sample_tokens(logits, None if greedy else self.temp, self.top_k, self.top_p)
+        tok, lp = sample_tokens(logits, None if greedy else self.temp, self.top_k, self.top_p, self.noise)
         active = ~self.done
         col = torch.where(active, self.gen, self.max_len)
         self.out_tok[self.rows, col] = tok

@@ -129,10 +129,16 @@ class StaticKVCache:
         return k[:, :, : self.span], v[:, :, : self.span]
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: int = 0, top_p: float = 1.0):
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: int = 0, top_p: float = 1.0,
+                  scratch: torch.Tensor | None = None):
     """Draw one token per row on the device, no host sync.
 
     logits: [n, V] float32; temperature: [1] device scalar, or None for greedy (argmax).
+    scratch: optional ``[2, >= n, V]`` float32 buffers kept by the caller for the log-probs and the
+    noise; with them the draw also works in place in ``logits`` (overwritten). Same tokens and log-probs, bit for bit
+    (same kernels, same random stream); on the CPU each fresh ``[64, 49152]`` temporary costs its
+    page faults, and without them the sampler's share of a SmolLM2 decode step drops (see
+    :class:`~streamrl.engines.hf_fast.FastHFEngine`, which passes it on CPU only).
     Returns ``(tokens [n] long, logprobs [n] float32)``: log-prob of each token under the
     distribution it was drawn from (tempered, then top-k/top-p truncated and renormalised;
     untempered softmax for greedy).
@@ -140,20 +146,24 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | None, top_k:
     if temperature is None:
         logp = F.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
-    else:
-        z = logits / temperature
-        if top_k > 0:
-            kth = z.topk(top_k, dim=-1).values[:, -1:]
-            z = z.masked_fill(z < kth, float("-inf"))
-        if top_p < 1.0:
-            sz, si = z.sort(dim=-1, descending=True)
-            probs = sz.softmax(dim=-1)
-            drop = (probs.cumsum(dim=-1) - probs) > top_p  # mass before a token; the top one stays
-            z = torch.empty_like(z).scatter_(-1, si, sz.masked_fill(drop, float("-inf")))
-        logp = F.log_softmax(z, dim=-1)
-        # Gumbel-max in exponential form: argmax p / E, E ~ Exp(1), is a draw from p. E = -log U,
-        # U ~ Uniform[0, 1): ~3x cheaper than exponential_() on the CPU ([64, 49152], 1 thread:
-        # ~56 vs 160-200 ms per decode step, 14 % of a SmolLM2 worker's batch); U = 0 gives
-        # E = inf, which only leaves out that token for that draw (p ~ 6e-8).
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    z = logits / temperature if scratch is None else logits.div_(temperature)
+    if top_k > 0:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sz, si = z.sort(dim=-1, descending=True)
+        probs = sz.softmax(dim=-1)
+        drop = (probs.cumsum(dim=-1) - probs) > top_p  # mass before a token; the top one stays
+        z = torch.empty_like(z).scatter_(-1, si, sz.masked_fill(drop, float("-inf")))
+    logp = F.log_softmax(z, dim=-1) if scratch is None else torch.log_softmax(z, -1, out=scratch[0, : z.shape[0]])
+    # Gumbel-max in exponential form: argmax p / E, E ~ Exp(1), is a draw from p. E = -log U,
+    # U ~ Uniform[0, 1): ~3x cheaper than exponential_() on the CPU ([64, 49152], 1 thread:
+    # ~56 vs 160-200 ms per decode step, 14 % of a SmolLM2 worker's batch); U = 0 gives
+    # E = inf, which only leaves out that token for that draw (p ~ 6e-8).
+    if scratch is None:
         tok = (logp.exp() / torch.rand_like(logp).log_().neg_()).argmax(dim=-1)
+    else:  # z is spent: p = exp(logp) goes there, the noise into the scratch rows
+        noise = scratch[1, : logp.shape[0]].uniform_().log_().neg_()
+        tok = torch.exp(logp, out=z).div_(noise).argmax(dim=-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)

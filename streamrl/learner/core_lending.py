@@ -28,9 +28,17 @@ How:
   steps. ``torch.set_num_threads`` must run on the training thread itself (OpenMP keeps the
   thread count per calling thread); it costs a few microseconds and only runs on a change.
   Give-back latency is therefore one poll plus one decoder layer (~0.1-0.3 s on SmolLM2-135M).
+
+The reverse direction: once the learner trains fast, the worker is the bottleneck and the learner
+waits for data with its core idle. Rank 0 publishes its phase (:class:`LearnerPhase`: one Redis
+SET per change, ``waiting`` only while it blocks for the next batch) and a CPU worker borrows the
+learner's threads while it says so (:mod:`streamrl.core_borrowing`). The two never borrow at
+once: the learner borrows only while the worker's heartbeat says it waits (no compute), the
+worker only while the learner waits (no compute).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -97,6 +105,13 @@ class HostLoad:
             return None
         return max(0.0, ((busy - busy0) - (own - own0)) / (now - t0))
 
+    def free_threads(self, own_threads: int, last_busy: float) -> tuple[int, float]:
+        """``(threads free beside this process's own, others' busy cores)`` from a new sample;
+        ``last_busy`` stands in while the window is not full yet."""
+        busy = self.sample()
+        busy = last_busy if busy is None else busy
+        return int(self.cpus - own_threads - busy + FREE_SLACK), busy
+
 
 class CoreLender:
     """Lends the learner rank the intra-op threads of colocated idle workers.
@@ -156,11 +171,7 @@ class CoreLender:
         self._t_poll = now
         offer = min(self.lendable, sum(int(hb.get("threads", 1)) for hb in idle))
         if self.host_load is not None:
-            busy = self.host_load.sample()
-            if busy is None:  # not a full window yet: keep the previous reading
-                busy = self.others_busy
-            self.others_busy = busy
-            free = int(self.host_load.cpus - self.base - busy + FREE_SLACK)
+            free, self.others_busy = self.host_load.free_threads(self.base, self.others_busy)
             offer = max(0, min(offer, free))
         self.offer = offer
         return self.offer
@@ -230,6 +241,58 @@ class CoreLender:
         self.switches = 0
         self._t_window = now
         return out
+
+
+# The learner's phase, read by colocated CPU rollout workers (streamrl.core_borrowing).
+WAITING, BUSY = "waiting", "busy"
+
+
+def phase_key(coord) -> str:
+    """Redis key of the learner's phase: JSON ``{"phase", "host", "threads"}``."""
+    return coord.keys._k("learner", "phase")
+
+
+class LearnerPhase:
+    """Rank 0 tells this host's CPU rollout workers whether the learner computes.
+
+    ``waiting`` only while it blocks for its next batch (every rank is then idle: the others
+    wait in the batch broadcast), ``busy`` otherwise (training, publishing, checkpointing,
+    starting). One SET per change from the training thread (~0.1 ms, twice a step). A stale
+    ``waiting`` (Redis outage, killed learner) is harmless: a worker lends only cores that
+    ``/proc/stat`` shows free.
+    """
+
+    def __init__(self, coord, threads: int, host: str | None = None):
+        self.r, self.key = coord.r, phase_key(coord)
+        self.host, self.threads = host or socket.gethostname(), threads
+        self.phase: str | None = None
+
+    def set(self, phase: str) -> None:
+        assert phase in (WAITING, BUSY), phase
+        if phase == self.phase:
+            return
+        try:
+            self.r.set(self.key, json.dumps({"phase": phase, "host": self.host, "threads": self.threads}))
+            self.phase = phase
+        except Exception as e:  # noqa: BLE001 - Redis down: workers' reads fail too and they lend nothing
+            log.debug("learner phase not published: %s", e)
+            self.phase = None
+
+    def close(self) -> None:
+        try:
+            self.r.delete(self.key)
+        except Exception as e:  # noqa: BLE001 - Redis already gone
+            log.debug("learner phase not removed: %s", e)
+
+
+def make_learner_phase(cfg, coord, local_ranks: int) -> LearnerPhase | None:
+    """Rank 0's phase publisher when ``placement.lend_idle_cores`` is on and the learner runs on CPU;
+    it starts ``busy``. None otherwise."""
+    if not cfg.placement.lend_idle_cores or not cfg.learner.device.startswith("cpu"):
+        return None
+    phase = LearnerPhase(coord, torch.get_num_threads() * max(local_ranks, 1))
+    phase.set(BUSY)
+    return phase
 
 
 def make_core_lender(cfg, coord, local_ranks: int) -> CoreLender | None:
