@@ -5,7 +5,9 @@
 ``samples_per_s``: trained samples between the first kept learner step and the last, over
 the wall time between them; also the learner's idle share and median step/compute seconds,
 and with core lending on, the median share of a step the learner ran with a waiting worker's
-threads (``lent_pct_median``) and the share the colocated workers were idle (``workers_idle_pct_median``).
+threads (``lent_pct_median``) and the share the colocated workers were idle (``workers_idle_pct_median``),
+and the median share of samples left out of the forward/backward for a zero advantage
+(``dropped_zero_adv_pct_median``, ``learner.drop_zero_advantage``).
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ def main() -> int:
            "learner_idle_pct": round(100 * idle / max(idle + busy, 1e-9), 1)}
     # core lending (placement.lend_idle_cores): share of each step the learner ran with a colocated
     # worker's threads, and the share of it the worker(s) sat idle (admission/backpressure)
-    for key, name in (("learner/lent_frac", "lent_pct"), ("learner/workers_idle_frac", "workers_idle_pct")):
+    for key, name in (("learner/lent_frac", "lent_pct"), ("learner/workers_idle_frac", "workers_idle_pct"),
+                      ("learner/dropped_zero_adv_frac", "dropped_zero_adv_pct")):
         vals = [r[key] for r in recs[1:] if key in r]
         if vals:
             out[f"{name}_median"] = round(100 * statistics.median(vals), 1)
