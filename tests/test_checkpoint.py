@@ -174,3 +174,25 @@ def test_checkpoint_four_ranks_ep2_dp2_reshards_to_ep4_and_one_process(tmp_path)
     for loaded in spawn_gloo(_load_latest, 4, str(tmp_path), 4, timeout_s=600):
         _assert_same(saved, loaded)
     _assert_same(saved, _load_latest(0, 1, str(tmp_path), 1))
+
+
+def test_save_refused_before_writing_when_the_disk_is_full(tmp_path, monkeypatch):
+    """A disk too small for the model + optimizer: a clear ENOSPC naming the folder, no partial save left."""
+    import errno
+    import shutil
+
+    import streamrl.learner.checkpoint as ckpt
+
+    tr = Trainer(_cfg(tmp_path))
+    save_checkpoint(tmp_path / "ck", 1, tr, {})
+    real = shutil.disk_usage
+
+    def nearly_full(path):  # what the OS reports on a disk with 1 MiB left
+        return real(path)._replace(free=1 << 20)
+
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", nearly_full)
+    with pytest.raises(OSError, match=r"checkpoint of step 2 needs ~.* GiB .* free in .*ck") as err:
+        save_checkpoint(tmp_path / "ck", 2, tr, {})
+    assert err.value.errno == errno.ENOSPC
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_00000001"]  # no .tmp_ folder left
+    assert latest_checkpoint(tmp_path / "ck").name == "step_00000001"

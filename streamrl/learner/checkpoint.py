@@ -27,6 +27,7 @@ unpickles: DCP metadata is read by torch, the rest is JSON and safetensors.
 """
 from __future__ import annotations
 
+import errno
 import json
 import random
 import shutil
@@ -65,6 +66,26 @@ def _as_dtensor_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _check_free_space(folder: Path, step: int, state: dict[str, torch.Tensor]) -> None:
+    """Refuse a save the disk cannot hold before writing any of it (every rank raises alike).
+
+    A full disk otherwise fails deep in DCP's writer with "unexpected pos 704 vs 598" and leaves
+    a partial folder. The estimate is the model and optimizer tensors of every rank; the RNG,
+    buffer and metadata files are small next to them.
+    """
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in state.values()]
+    need = sum(t.numel() * t.element_size() for t in local)
+    free = shutil.disk_usage(folder).free
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        per_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, (need, free))
+        need, free = sum(n for n, _ in per_rank), min(f for _, f in per_rank)
+    if need > free:
+        raise OSError(errno.ENOSPC, f"checkpoint of step {step} needs ~{need / 2**30:.2f} GiB (model + optimizer), "
+                                    f"{free / 2**30:.2f} GiB free in {folder.parent}: free space there or set "
+                                    f"checkpoint.dir elsewhere")
 
 
 def _state(trainer) -> dict[str, torch.Tensor]:
@@ -157,7 +178,14 @@ def save_checkpoint(root: Path, step: int, trainer, learner_state: dict[str, Any
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
-    dcp.save(_state(trainer), checkpoint_id=str(tmp))
+    state = _state(trainer)
+    try:
+        _check_free_space(tmp, step, state)
+    except OSError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dcp.save(state, checkpoint_id=str(tmp))
     rng_t, rng_m = _rng_state()
     save_file(rng_t, str(tmp / f"rng_rank{rank}.safetensors"))
     (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_m))
