@@ -33,12 +33,11 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 
 import torch
 
-from streamrl.learner.core_lending import POLL_S, WAITING, HostLoad, phase_key
+from streamrl.learner.core_lending import POLL_S, WAITING, HostLoad, PollingThread, phase_key
 
 log = logging.getLogger(__name__)
 BORROWABLE_ENV = "STREAMRL_BORROWABLE_THREADS"
@@ -49,7 +48,7 @@ def borrowable_threads() -> int:
     return int(os.environ.get(BORROWABLE_ENV, "0") or 0)
 
 
-class CoreBorrower:
+class CoreBorrower(PollingThread):
     """Lends a CPU rollout worker the colocated learner's threads while the learner waits.
 
     Args:
@@ -77,16 +76,11 @@ class CoreBorrower:
         self.threads = base_threads
         """Threads the decode thread runs with now."""
         self.switches = 0
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
         self._t_apply: float | None = None  # None: outside a batch (no decode time accrues)
         self._gen_s = self._borrowed_s = self._borrowed_thread_s = 0.0
 
     # -- the polling thread ------------------------------------------------------------------
-    def start(self) -> CoreBorrower:
-        self._thread = threading.Thread(target=self._poll_loop, name="core-borrower", daemon=True)
-        self._thread.start()
-        return self
+    thread_name = "core-borrower"
 
     def poll(self) -> int:
         """Read the learner's phase once and update :attr:`offer`; returns it."""
@@ -103,15 +97,6 @@ class CoreBorrower:
             offer = max(0, min(offer, free))
         self.offer = offer
         return offer
-
-    def _poll_loop(self) -> None:
-        while not self._done.wait(self.poll_s):
-            self.poll()
-
-    def close(self) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join(5)
 
     # -- the decode thread -------------------------------------------------------------------
     def apply(self) -> int:

@@ -113,7 +113,34 @@ class HostLoad:
         return int(self.cpus - own_threads - busy + FREE_SLACK), busy
 
 
-class CoreLender:
+class PollingThread:
+    """A daemon thread that calls :meth:`poll` every ``poll_s`` seconds until :meth:`close`
+    (the lender's heartbeat poller here, the worker's phase poller in :mod:`streamrl.core_borrowing`)."""
+
+    poll_s: float
+    thread_name = "poller"
+    _thread: threading.Thread | None = None  # set by start()
+
+    def poll(self) -> int:
+        raise NotImplementedError
+
+    def start(self):
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll_loop, name=self.thread_name, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll_loop(self) -> None:
+        while not self._done.wait(self.poll_s):
+            self.poll()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._done.set()
+            self._thread.join(5)
+
+
+class CoreLender(PollingThread):
     """Lends the learner rank the intra-op threads of colocated idle workers.
 
     Args:
@@ -140,8 +167,6 @@ class CoreLender:
         self.threads = base_threads
         """Threads the training thread runs with now."""
         self.switches = 0
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
         self._hooks: list = []
         now = time.monotonic()
         self._t_apply = self._t_poll = self._t_window = now
@@ -150,10 +175,7 @@ class CoreLender:
         self._others_s = 0.0  # poller: other processes' busy cores x time
 
     # -- the polling thread ------------------------------------------------------------------
-    def start(self) -> CoreLender:
-        self._thread = threading.Thread(target=self._poll_loop, name="core-lender", daemon=True)
-        self._thread.start()
-        return self
+    thread_name = "core-lender"
 
     def poll(self) -> int:
         """Read the heartbeats once and update :attr:`offer`; returns it."""
@@ -176,14 +198,9 @@ class CoreLender:
         self.offer = offer
         return self.offer
 
-    def _poll_loop(self) -> None:
-        while not self._done.wait(self.poll_s):
-            self.poll()
-
     def close(self) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join(5)
+        """Stop polling, remove the layer hooks and give every borrowed thread back."""
+        super().close()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
