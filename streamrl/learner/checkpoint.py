@@ -68,7 +68,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _check_free_space(folder: Path, step: int, state: dict[str, torch.Tensor]) -> None:
+def _check_free_space(folder: Path, step: int, state: dict[str, torch.Tensor], device: torch.device) -> None:
     """Refuse a save the disk cannot hold before writing any of it (every rank raises alike).
 
     A full disk otherwise fails deep in DCP's writer with "unexpected pos 704 vs 598" and leaves
@@ -78,10 +78,12 @@ def _check_free_space(folder: Path, step: int, state: dict[str, torch.Tensor]) -
     local = [t.to_local() if hasattr(t, "to_local") else t for t in state.values()]
     need = sum(t.numel() * t.element_size() for t in local)
     free = shutil.disk_usage(folder).free
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        per_rank: list = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, (need, free))
-        need, free = sum(n for n, _ in per_rank), min(f for _, f in per_rank)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # tensors, not pickled objects, between ranks
+        total = torch.tensor([float(need)], dtype=torch.float64, device=device)
+        least = torch.tensor([float(free)], dtype=torch.float64, device=device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        need, free = int(total.item()), int(least.item())
     if need > free:
         raise OSError(errno.ENOSPC, f"checkpoint of step {step} needs ~{need / 2**30:.2f} GiB (model + optimizer), "
                                     f"{free / 2**30:.2f} GiB free in {folder.parent}: free space there or set "
@@ -180,7 +182,7 @@ def save_checkpoint(root: Path, step: int, trainer, learner_state: dict[str, Any
     _barrier()
     state = _state(trainer)
     try:
-        _check_free_space(tmp, step, state)
+        _check_free_space(tmp, step, state, trainer.device)
     except OSError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
