@@ -315,3 +315,33 @@ def test_compiled_decode_step_compiles_at_most_twice_over_spans(tiny):
     ref = decode(False)
     assert torch.equal(got[0], ref[0])
     torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=0)
+
+
+def test_eager_steps_run_only_the_live_rows(tiny):
+    """Rows that finished wait for the next sync; meanwhile eager (CPU) steps leave them out.
+    Tokens, log-probs and recorded routes stay those of each prompt on its own."""
+    model, tok = tiny
+    prompts = _prompts(4, seed=3)
+    caps = [2, MAX_NEW, 5, MAX_NEW]
+    eng = FastHFEngine(model, tok, batch_size=4, max_seq_len=32, sync_every=MAX_NEW, eos_token_id=-1,
+                       record_routing=True)
+    stepped: list[int] = []
+    layers = eng._layers
+    eng._layers = lambda x, mask, pos_ids: (stepped.append(x.shape[0]), layers(x, mask, pos_ids))[1]
+    got = eng.generate(prompts, MAX_NEW, temperature=0.0, max_tokens=caps)
+    decode = stepped[-(MAX_NEW - 1):]  # after the prefill: one decode step per token after the first
+    assert decode == [4, 3, 3, 3, 2, 2, 2, 2, 2], stepped
+    seen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, a, o: seen.append(o[2])) for r in eng.routers]
+    try:
+        for p, cap, resp, lp, routed in zip(prompts, caps, got.tokens, got.logprobs, got.routed_experts):
+            ref_tok, ref_lp = _reference(model, tok, p, cap, eos=-1)
+            assert resp == ref_tok
+            torch.testing.assert_close(torch.tensor(lp), ref_lp, atol=1e-5, rtol=0)
+            seen.clear()
+            _teacher_forced_logits(model, p, resp)
+            ref = torch.stack(seen, 1)[len(p) - 1: len(p) - 1 + len(resp)]
+            assert torch.equal(routed.long().sort(-1).values, ref.sort(-1).values)
+    finally:
+        for h in hooks:
+            h.remove()

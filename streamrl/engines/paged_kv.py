@@ -222,8 +222,9 @@ class PagedKVCache:
         """Write the new K/V and return what attention reads.
 
         Prefill: ``key [n, Hkv, P, D]`` for slots ``rows`` at positions ``0..P-1`` (positions past
-        a slot's blocks land in trash); returns the prompt's own K/V. Decode: ``key [B, Hkv, 1, D]``
-        at ``pos[b]``; returns ``[B, Hkv, span, D]`` gathered through the table.
+        a slot's blocks land in trash); returns the prompt's own K/V. Decode: ``key [n, Hkv, 1, D]``
+        of slots ``rows`` (all ``B`` or an eager step's live rows) at ``pos``; returns ``[n, Hkv, span,
+        D]`` gathered through the table.
         """
         k, v = self.k[layer_idx], self.v[layer_idx]
         bs = self.block_size
@@ -248,8 +249,8 @@ class PagedKVCache:
         v[blk, self.pos % bs] = value[:, :, 0]
         if self.attention == "flex":  # attention reads the pool in place (decode_block_mask)
             return pool_sequence(k), pool_sequence(v)
-        b, nb = self.table.shape[0], self.span // bs
-        ids = self.table[:, :nb]
+        b, nb = self.rows.shape[0], self.span // bs  # all B slots, or an eager step's live rows
+        ids = self.table[self.rows, :nb] if b < self.table.shape[0] else self.table[:, :nb]
         # [B, nb, BS, Hkv, D] -> [B, span, Hkv, D] (free view) -> [B, Hkv, span, D] (strided)
         kg = k[ids].view(b, nb * bs, *k.shape[2:]).transpose(1, 2)
         vg = v[ids].view(b, nb * bs, *v.shape[2:]).transpose(1, 2)

@@ -54,8 +54,8 @@ class StaticKVCache:
     Prefill mode writes ``key [n, Hkv, P, D]`` for slots ``rows`` at positions ``0..P-1`` and
     returns the prompt's own K/V; with ``start`` ([n], a kept session's reused length) it writes
     row ``i`` at ``start[i]..start[i]+P-1`` and returns the rows' first ``span`` positions. Decode
-    mode writes ``key [B, Hkv, 1, D]`` at ``pos[b]`` and returns the first ``span`` positions of
-    the cache (fixed shape per captured graph).
+    mode writes ``key [n, Hkv, 1, D]`` of slots ``rows`` (all ``B``, or an eager step's live rows)
+    at ``pos`` and returns those slots' first ``span`` positions (fixed shape per captured graph).
     """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
@@ -126,6 +126,8 @@ class StaticKVCache:
             return key, value
         k[self.rows, :, self.pos] = key[:, :, 0]
         v[self.rows, :, self.pos] = value[:, :, 0]
+        if self.rows.shape[0] < k.shape[0]:  # an eager step of the live rows only: their K/V (a copy)
+            return k[self.rows, :, : self.span], v[self.rows, :, : self.span]
         return k[:, :, : self.span], v[:, :, : self.span]
 
 
