@@ -1,12 +1,15 @@
-"""Where a decode step's time goes on the GPU: graph replay time vs the loop, eager kernel profile.
+"""Where a decode step's time goes on the GPU: graph replay time vs the loop, and the kernels of the captured step.
 
     python3 tools/gpu/hf_fast_profile.py [BATCH=256] [KV=static|paged] [SPANS=256]
 
 SPANS: the attended span(s) of the timed graphs, comma-separated (the rollout_long 1k case attends
-128..1152); the kernel profile is of the last. NO_PROFILE=1 skips the kernel profile.
+128..1152); the kernel profile is of the last span's graph replays (device ms per kernel family and the top
+kernels as one JSON line, torch.profiler's table in $OUT/hf_fast_profile_b<B>_span<S>.txt). NO_PROFILE=1
+skips it.
 The first line also counts the host<->device syncs of one generate call (torch's sync debug
 mode), next to its decode steps: the loop should sync once per ``sync_every`` steps.
 """
+import json
 import os
 import sys
 import warnings
@@ -44,6 +47,7 @@ with torch.inference_mode(), eng._impl():
     eng.max_new.fill_(256)
     eng._prefill(list(range(B)), prompts, False)
     eng.cache.grow(list(range(B)), [MAX_LEN] * B)  # paged: blocks for every position the steps write
+    replay_ms = {}
     for span in SPANS:
         g = eng.graphs[(span, False)]
         for _ in range(3):
@@ -55,12 +59,22 @@ with torch.inference_mode(), eng._impl():
             g.replay()
         e1.record()
         torch.cuda.synchronize()
-        print(f"B={B} kv={KV} span={span} graph replay: {e0.elapsed_time(e1) / 20:.3f} ms/step")
+        replay_ms[span] = e0.elapsed_time(e1) / 20
+        print(f"B={B} kv={KV} span={span} graph replay: {replay_ms[span]:.3f} ms/step")
     if os.environ.get("NO_PROFILE"):
         sys.exit(0)
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(3):
-            eng._decode(SPAN, False)
-        torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    # The captured step as generate() runs it (compiled kernels inside the graph), per kernel family
+    # and its top 25 kernels; the table goes to $OUT. If the profiler sees no kernels inside graph
+    # replays, the eager step is profiled instead (a different, uncompiled kernel mix: say so).
+    from streamrl.bench.learner_step import profile_breakdown
+
+    out = os.environ.get("OUT", ".")
+    cuda = torch.device("cuda")
+    res = profile_breakdown(eng.graphs[(SPAN, False)].replay, 10, cuda, torch.cuda.synchronize,
+                            table_path=f"{out}/hf_fast_profile_b{B}_span{SPAN}.txt", top=25)
+    res["what"] = "graph replay"
+    if res["device_ms_per_step"] < 0.5 * replay_ms[SPAN]:
+        res = profile_breakdown(lambda: eng._decode(SPAN, False), 3, cuda, torch.cuda.synchronize,
+                                table_path=f"{out}/hf_fast_profile_b{B}_span{SPAN}_eager.txt", top=25)
+        res["what"] = "eager step (no kernels seen inside graph replays)"
+print(json.dumps({"batch": B, "kv": KV, "attn_span": SPAN, "replay_ms": replay_ms[SPAN], **res}))
