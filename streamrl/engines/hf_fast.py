@@ -153,6 +153,8 @@ class FastHFEngine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dev, b, s = self.device, batch_size, self.max_len
         self.paged = kv_cache == "paged"
+        # the decode step reads the paged pool in place (FlexAttention block mask), all B rows at once
+        self.pool_in_place = self.paged and paged_attention == "flex"
         if self.paged:
             self.cache = PagedKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev,
                                       block_size=block_size, num_blocks=kv_blocks, attention=paged_attention)
@@ -316,7 +318,7 @@ class FastHFEngine:
             self._route_at = (rows, pos)
         pos_ids = pos[:, None]
         x = self.embed((self.tok if full else self.tok[rows])[:, None])
-        if self.paged and self.cache.attention == "flex":  # the pool read in place through the table
+        if self.pool_in_place:  # the pool read in place through the table
             mask = self.cache.decode_block_mask(self.pos)
         else:
             # Additive mask built once per step (a bool mask is converted again in every layer).
@@ -346,18 +348,18 @@ class FastHFEngine:
             self.done[rows] = (tok == self.eos_id) | (col + 1 >= self.max_new[rows])
 
     def _live_rows(self) -> torch.Tensor | None:
-        """The slots an eager step should run: ``None`` (all ``B``) while most are live, else the live
-        ones ``[n]``. The tail of a batch steps fewer and fewer rows: a finished row waits for the
-        loop's next sync (``sync_every`` steps) to be harvested, and with no prompt left to refill
-        it, it would otherwise run through the model until the batch's longest response ends
-        (19-26 % of a SmolLM2 8 x 8 x 24-token CPU batch's row-steps). Copying the live rows' K/V
-        (static cache) costs a little, so below all-live only."""
+        """The slots an eager step should run: ``None`` (all ``B``, the cache read as a view) while every
+        row is live, else the live ones ``[n]`` (their K/V gathered). The tail of a batch steps fewer
+        and fewer rows: a finished row waits for the loop's next sync (``sync_every`` steps) to be
+        harvested, and with no prompt left to refill it, it would otherwise run through the model
+        until the batch's longest response ends (19-26 % of a SmolLM2 8 x 8 x 24-token CPU batch's
+        row-steps)."""
         live = (~self.done).nonzero().squeeze(1)
         return None if live.numel() == self.batch else live
 
     def _span(self, top: int) -> int:
         """Cache positions a decode step attends when the furthest row writes position ``top - 1``."""
-        if self.paged and self.cache.attention == "flex":  # the block mask bounds each row: one graph
+        if self.pool_in_place:  # the block mask bounds each row: one graph
             return self.cache.max_span
         # graphs need few fixed shapes; eager steps attend what is written (whole blocks)
         bucket = self.span_bucket if self.graphs_on else self.cache.span_quantum
@@ -366,7 +368,7 @@ class FastHFEngine:
     def _step(self, span: int, greedy: bool) -> None:
         if not self.graphs_on:
             # A compiled step keeps the fixed batch shape; a plain eager one runs only the live rows.
-            rows = None if self._compiled or (self.paged and self.cache.attention == "flex") else self._live_rows()
+            rows = None if self._compiled or self.pool_in_place else self._live_rows()
             if rows is None:
                 self._decode_fn(span, greedy)
             elif rows.numel():
