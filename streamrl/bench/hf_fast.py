@@ -117,7 +117,8 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
                            bandwidth_tb_s: float = 4.8, skip_generate: bool = False,
                            compile: bool | None = None, model_path: str | None = None, span_bucket: int = 128,
                            generate_tokens: int | None = None, kv_cache: str = "static", block_size: int = 16,
-                           spread_lengths: bool = False, paged_attention: str = "gather") -> dict:
+                           spread_lengths: bool = False, paged_attention: str = "gather",
+                           experts: str = "auto") -> dict:
     """Tokens/s of :class:`FastHFEngine` and of ``model.generate()`` side by side; returns figures.
 
     ``model_path``: an HF folder instead of the random ``preset`` (e.g. SmolLM2); ``generate_tokens``:
@@ -126,7 +127,8 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
     ``kv_cache``/``block_size``/``paged_attention``: the engine's KV memory (``kv_pool_gib`` allocated, ``kv_used_gib``
     at the peak, ``kv_static_gib`` what the static cache takes for the shape). ``spread_lengths``:
     response caps drawn uniformly from ``1..new_tokens`` per request (real responses end at
-    different lengths); the fast path then counts the tokens it drew.
+    different lengths); the fast path then counts the tokens it drew. ``experts``: the engine's
+    ``experts_implementation`` ("auto", or a transformers name such as "grouped_mm" to A/B it).
     """
     from streamrl.engines.hf_fast import FastHFEngine
 
@@ -145,7 +147,8 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
 
     engine = FastHFEngine(model, None, device=device, batch_size=batch, max_seq_len=prompt_len + new_tokens,
                           eos_token_id=no_eos, compile=compile, span_bucket=span_bucket, kv_cache=kv_cache,
-                          block_size=block_size, paged_attention=paged_attention)
+                          block_size=block_size, paged_attention=paged_attention, experts_implementation=experts)
+    out["experts"] = engine.experts_impl
     plist = prompts.tolist()
     caps = torch.randint(1, new_tokens + 1, (batch,), generator=gen).tolist() if spread_lengths else None
     t0 = time.perf_counter()
@@ -278,6 +281,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16, help="positions per block of the paged cache")
     p.add_argument("--paged-attention", default="gather", choices=["gather", "flex"],
                    help="paged decode: gather blocks per layer, or FlexAttention over the pool in place")
+    p.add_argument("--experts", default="auto", help="experts implementation of the engine (auto, grouped_mm, ...)")
     p.add_argument("--spread-lengths", action="store_true", help="response caps uniform in 1..new-tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -290,7 +294,8 @@ def main(argv=None) -> int:
             new_tokens=a.new_tokens or (256 if big else 32), seed=a.seed, bandwidth_tb_s=a.bandwidth_tb_s,
             skip_generate=a.skip_generate, compile=False if a.no_compile else None, model_path=a.model_path,
             span_bucket=a.span_bucket, generate_tokens=a.generate_tokens, kv_cache=a.kv_cache,
-            block_size=a.block_size, spread_lengths=a.spread_lengths, paged_attention=a.paged_attention)
+            block_size=a.block_size, spread_lengths=a.spread_lengths, paged_attention=a.paged_attention,
+            experts=a.experts)
     except ValueError as e:
         print(f"hf_fast bench: {e}", file=sys.stderr)
         return 2

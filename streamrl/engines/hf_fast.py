@@ -33,7 +33,9 @@ with its own loop:
 * **Routing recording** by a router forward hook that scatters the top-k ids into a
   preallocated ``[B, S, L, k]`` buffer at each row's position (device ops only, so it is
   captured with the step).
-* MoE experts run through HF's ``grouped_mm`` implementation (capturable: histc, no sync).
+* MoE experts on CUDA: a decode step runs every expert on every row, weighted by the routing
+  (:mod:`streamrl.engines.dense_experts`: three GEMM-shaped kernels instead of the sort/gather/
+  scatter bookkeeping of HF's ``grouped_mm``, which still serves the prefills).
 * **In-flight updates**: ``generate(..., between_steps=cb)`` calls ``cb`` before the first
   prefill and before every decode step; an update it returns is copied into the parameters in
   place (graphs stay valid) and stamps every later token; KV already in the cache is kept.
@@ -56,6 +58,7 @@ import torch
 
 from streamrl.engines.base import BetweenSteps, Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
 from streamrl.engines.decode_loop import DecodeLoop
+from streamrl.engines.dense_experts import DENSE
 from streamrl.engines.host_io import to_device
 from streamrl.engines.kv_sessions import KeptSessions
 from streamrl.engines.paged_kv import PagedKVCache
@@ -96,8 +99,9 @@ class FastHFEngine:
             (FlexAttention over the pool in place, always compiled; :mod:`streamrl.engines.paged_flex`;
             CPU only: refused on CUDA, where it failed its parity test).
         experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
-            ``grouped_mm`` on CUDA in bf16/fp16, ``batched_mm`` on CUDA in fp32 (torch's grouped
-            GEMM is bf16-only there and its fallback syncs), the model's own setting on CPU.
+            on CUDA :data:`~streamrl.engines.dense_experts.DENSE` (dense decode steps; prefills through
+            ``grouped_mm`` in bf16/fp16, ``batched_mm`` in fp32, where torch's grouped GEMM would sync),
+            the model's own setting on CPU (where the dense path's ``E / k`` times the FLOPs would cost).
     """
 
     name = "hf"
@@ -147,8 +151,7 @@ class FastHFEngine:
         self._params = dict(model.named_parameters())
         dtype = next(model.parameters()).dtype
         if experts_implementation == "auto":
-            experts_implementation = None if self.device.type != "cuda" else (
-                "batched_mm" if dtype == torch.float32 else "grouped_mm")
+            experts_implementation = DENSE if self.device.type == "cuda" else None
         self.experts_impl = experts_implementation
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dev, b, s = self.device, batch_size, self.max_len

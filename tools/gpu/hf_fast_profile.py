@@ -5,7 +5,8 @@
 SPANS: the attended span(s) of the timed graphs, comma-separated (the rollout_long 1k case attends
 128..1152); the kernel profile is of the last span's graph replays (device ms per kernel family and the top
 kernels as one JSON line, torch.profiler's table in $OUT/hf_fast_profile_b<B>_span<S>.txt). NO_PROFILE=1
-skips it.
+skips it. EXPERTS=grouped_mm (or another transformers name) A/Bs the engine's experts implementation
+(default: the engine's auto choice).
 The first line also counts the host<->device syncs of one generate call (torch's sync debug
 mode), next to its decode steps: the loop should sync once per ``sync_every`` steps.
 """
@@ -26,7 +27,8 @@ SPAN = SPANS[-1]
 MAX_LEN = max(384, max(SPANS))
 model = build_bench_model("moe-1b", "cuda", "bfloat16")
 eng = FastHFEngine(model, None, device="cuda", batch_size=B, max_seq_len=MAX_LEN, eos_token_id=32768,
-                   kv_cache=KV, span_bucket=SPAN if SPAN % 16 == 0 else 128)
+                   kv_cache=KV, span_bucket=SPAN if SPAN % 16 == 0 else 128,
+                   experts_implementation=os.environ.get("EXPERTS", "auto"))
 prompts = torch.randint(3, 32768, (B, P)).tolist()
 eng.generate(prompts, 8, 1.0)  # captures the graph of the first span
 steps0 = eng.decode_steps
@@ -38,7 +40,7 @@ with warnings.catch_warnings(record=True) as caught:
     finally:
         torch.cuda.set_sync_debug_mode("default")
 syncs = sum("synchroniz" in str(w.message) for w in caught)
-print(f"B={B} kv={KV} generate of 64 new tokens: {eng.decode_steps - steps0} decode steps, {syncs} host syncs "
+print(f"B={B} kv={KV} experts={eng.experts_impl} generate of 64 new tokens: {eng.decode_steps - steps0} decode steps, {syncs} host syncs "
       f"(sync_every={eng.sync_every})")
 with torch.inference_mode(), eng._impl():
     for span in SPANS:  # as generate() runs (in grad mode the compile fails)
@@ -71,10 +73,10 @@ with torch.inference_mode(), eng._impl():
     out = os.environ.get("OUT", ".")
     cuda = torch.device("cuda")
     res = profile_breakdown(eng.graphs[(SPAN, False)].replay, 10, cuda, torch.cuda.synchronize,
-                            table_path=f"{out}/hf_fast_profile_b{B}_span{SPAN}.txt", top=25)
+                            table_path=f"{out}/hf_fast_profile_b{B}_span{SPAN}_{eng.experts_impl}.txt", top=25)
     res["what"] = "graph replay"
     if res["device_ms_per_step"] < 0.5 * replay_ms[SPAN]:
         res = profile_breakdown(lambda: eng._decode(SPAN, False), 3, cuda, torch.cuda.synchronize,
                                 table_path=f"{out}/hf_fast_profile_b{B}_span{SPAN}_eager.txt", top=25)
         res["what"] = "eager step (no kernels seen inside graph replays)"
-print(json.dumps({"batch": B, "kv": KV, "attn_span": SPAN, "replay_ms": replay_ms[SPAN], **res}))
+print(json.dumps({"batch": B, "kv": KV, "experts": eng.experts_impl, "attn_span": SPAN, "replay_ms": replay_ms[SPAN], **res}))

@@ -1,0 +1,66 @@
+"""Dense MoE experts for decode steps: every expert runs every token, weighted by its routing.
+
+A decode step of ``B`` sequences through an MoE layer with ``E`` experts and top-``k`` routing
+is ``B * k`` (token, expert) pairs, ~``B * k / E`` rows per expert (32 for the bench's
+``moe-1b`` at ``B = 256``). HF's ``grouped_mm`` implementation sorts those pairs by expert,
+gathers the rows, runs two grouped GEMMs, scales, un-permutes and sums: about a dozen small
+kernels per layer that each take a few microseconds on rows of this size, while the weights
+the layer must read take ~6 us at the H200's bandwidth.
+
+At decode batch sizes it is cheaper to skip the bookkeeping: one GEMM ``[B, H] x [H, E*2I]``
+(all experts' gate/up projections, the parameter viewed flat, no copy), the gate, one batched
+GEMM ``[E, B, I] x [E, I, H]`` for the down projections, and one reduction over experts that
+applies the routing weights (zero for the experts a token was not routed to). It computes
+``E / k`` times the FLOPs, which is cheap while ``B`` is small: at ``B = 256`` a layer of
+``moe-1b`` is 19 GFLOP (~30 us on an H200) and reads the same weights as the sparse path
+(at this batch every expert is hit anyway). Above :data:`DENSE_MAX_TOKENS` tokens (prefills)
+and on shapes it does not cover (transposed or biased expert weights, expert parallelism),
+it hands over to HF's sparse implementation.
+
+The result is the sparse one up to float rounding: the same products, the same fp32 sum of the
+``k`` weighted expert outputs (the other ``E - k`` terms are exact zeros).
+"""
+from __future__ import annotations
+
+import torch
+from transformers.integrations.moe import (ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward,
+                                           grouped_mm_experts_forward)
+
+DENSE = "streamrl_dense_decode"
+"""Name of the experts implementation registered with transformers (selected inside the engine only)."""
+
+DENSE_MAX_TOKENS = 512
+"""Tokens per call up to which every expert runs every token (decode steps); prefills go sparse."""
+
+
+def _sparse(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    # torch's grouped GEMM is bf16/fp16 only on CUDA (its fp32 fallback syncs the host)
+    sparse = grouped_mm_experts_forward if hidden_states.dtype != torch.float32 else batched_mm_experts_forward
+    return sparse(module, hidden_states, top_k_index, top_k_weights)
+
+
+def dense_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``hidden_states [T, H]``, ``top_k_index [T, k]`` (int), ``top_k_weights [T, k]`` -> ``[T, H]``.
+
+    ``module`` is a transformers experts module (``gate_up_proj [E, 2I, H]`` or ``up_proj [E, I, H]``,
+    ``down_proj [E, H, I]``).
+    """
+    t, h = hidden_states.shape
+    if (t > DENSE_MAX_TOKENS or getattr(module, "is_transposed", False) or getattr(module, "has_bias", False)
+            or getattr(module, "_is_expert_parallel", False)):
+        return _sparse(module, hidden_states, top_k_index, top_k_weights)
+    e = module.num_experts
+    gated = getattr(module, "has_gate", True)
+    up_w = module.gate_up_proj if gated else module.up_proj  # [E, O, H], O = 2I (gated) or I
+    up = torch.nn.functional.linear(hidden_states, up_w.reshape(-1, h)).view(t, e, -1)  # [T, E, O]
+    act = module._apply_gate(up) if gated else module.act_fn(up)  # [T, E, I]
+    down = torch.bmm(act.transpose(0, 1), module.down_proj.transpose(1, 2))  # [E, T, H]
+    # routing weights scattered over the experts: [T, E], zero where a token was not routed
+    route = torch.zeros(t, e, dtype=top_k_weights.dtype, device=hidden_states.device)
+    route.scatter_(1, top_k_index, top_k_weights)
+    out = (down * route.t()[:, :, None]).sum(dim=0, dtype=torch.float32)  # [T, H]
+    return out.to(hidden_states.dtype)
+
+
+ALL_EXPERTS_FUNCTIONS.register(DENSE, dense_experts_forward)

@@ -1,0 +1,74 @@
+"""Dense decode experts (every expert on every row, weighted by the routing) = HF's sparse experts."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+from transformers.integrations.moe import grouped_mm_experts_forward
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from streamrl.config import ModelConfig
+from streamrl.engines.dense_experts import DENSE, DENSE_MAX_TOKENS, dense_experts_forward
+from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.models import build_model
+
+
+def _block(dtype: torch.dtype, experts: int = 16, top_k: int = 4) -> Qwen3MoeSparseMoeBlock:
+    cfg = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=48, num_experts=experts, num_experts_per_tok=top_k,
+                         norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(cfg).to(dtype)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_equals_the_sparse_experts(dtype):
+    block = _block(dtype)
+    x = torch.randn(37, 64, dtype=dtype)
+    _, weights, ids = block.gate(x)
+    got = dense_experts_forward(block.experts, x, ids, weights)
+    assert got.shape == x.shape and got.dtype == dtype
+    sparse = grouped_mm_experts_forward(block.experts, x, ids, weights)
+    block.experts.config._experts_implementation = "eager"  # HF's per-expert loop: the reference semantics
+    eager = block.experts(x, ids, weights)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, eager, atol=tol, rtol=0)
+    if dtype == torch.bfloat16:  # same bf16 products, same fp32 sum of the k routed terms
+        assert torch.equal(got, sparse)
+
+
+def test_more_tokens_than_the_dense_limit_go_sparse(monkeypatch):
+    """A prefill-sized call takes HF's sparse path (dense would cost E / k times the FLOPs)."""
+    block = _block(torch.float32)
+    calls = []
+    monkeypatch.setattr("streamrl.engines.dense_experts._sparse", lambda *a: calls.append(a[1].shape[0]) or a[1])
+    x = torch.randn(DENSE_MAX_TOKENS + 1, 64)
+    _, weights, ids = block.gate(x)
+    dense_experts_forward(block.experts, x, ids, weights)
+    assert calls == [DENSE_MAX_TOKENS + 1]
+    dense_experts_forward(block.experts, x[:DENSE_MAX_TOKENS], ids[:DENSE_MAX_TOKENS], weights[:DENSE_MAX_TOKENS])
+    assert calls == [DENSE_MAX_TOKENS + 1]
+
+
+def test_engine_with_dense_experts_decodes_what_the_sparse_engine_decodes():
+    """The engine on the tiny MoE with the dense decode experts (its CUDA default) gives the same greedy
+    tokens, log-probs and recorded routing as with the model's own experts, and the step still traces
+    as one graph (what CUDA graphs capture)."""
+    model, tok = build_model(ModelConfig(), seed=1)
+    model.eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (3, 7, 5, 9, 4)]
+    ref = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, record_routing=True).generate(prompts, 10, 0.0)
+    eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, record_routing=True, experts_implementation=DENSE)
+    got = eng.generate(prompts, 10, 0.0)
+    assert got.tokens == ref.tokens
+    for a, b in zip(got.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(got.routed_experts, ref.routed_experts))
+    with torch.no_grad(), eng._impl():
+        eng.max_new.fill_(4)
+        eng._prefill([0, 1, 2], prompts[:3], True)
+        explained = torch._dynamo.explain(eng._decode)(32, True)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
