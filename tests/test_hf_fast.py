@@ -242,12 +242,13 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_graphs_parity_and_update_without_recapture():
+@pytest.mark.parametrize("decode_attention", ["sdpa", "flex"])
+def test_gpu_graphs_parity_and_update_without_recapture(decode_attention):
     model_a, tok = build_model(ModelConfig(), seed=1)
     model_b, _ = build_model(ModelConfig(), seed=2)
     model_b = model_b.cuda()
     eng = FastHFEngine(model_a, tok, device="cuda", batch_size=3, max_seq_len=40, span_bucket=16,
-                       record_routing=True)
+                       record_routing=True, decode_attention=decode_attention)
     prompts = _prompts(7)
     got = eng.generate(prompts, MAX_NEW, temperature=0.0)
     assert eng.captures > 0

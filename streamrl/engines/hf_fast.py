@@ -98,6 +98,9 @@ class FastHFEngine:
             copied into a contiguous ``[B, Hkv, span, D]`` per layer, then SDPA) or "flex"
             (FlexAttention over the pool in place, always compiled; :mod:`streamrl.engines.paged_flex`;
             CPU only: refused on CUDA, where it failed its parity test).
+        decode_attention: how the static cache's decode step attends: "sdpa" (the span bucket of all
+            rows) or "flex" (FlexAttention's split-KV decoding kernel over each row's own 128-position
+            blocks of the whole cache; one graph for every span).
         experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
             on CUDA :data:`~streamrl.engines.dense_experts.DENSE` (dense decode steps; prefills through
             ``grouped_mm`` in bf16/fp16, ``batched_mm`` in fp32, where torch's grouped GEMM would sync),
@@ -112,7 +115,7 @@ class FastHFEngine:
                  sync_every: int = 8, experts_implementation: str | None = "auto",
                  eos_token_id: int | None = None, compile: bool | None = None, share_prompts: bool = True,
                  kv_cache: str = "static", block_size: int = 16, kv_blocks: int | None = None,
-                 paged_attention: str = "gather"):
+                 paged_attention: str = "gather", decode_attention: str = "sdpa"):
         if kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache = {kv_cache!r}: must be one of {KV_CACHES}")
         for field, value, ok in (("batch_size", batch_size, batch_size > 0), ("top_k", top_k, top_k >= 0),
@@ -120,7 +123,9 @@ class FastHFEngine:
                                  ("sync_every", sync_every, sync_every > 0), ("block_size", block_size, block_size > 0),
                                  ("span_bucket", span_bucket, kv_cache == "static" or span_bucket % block_size == 0),
                                  ("paged_attention", paged_attention, paged_attention == "gather" or (
-                                     paged_attention == "flex" and kv_cache == "paged"))):
+                                     paged_attention == "flex" and kv_cache == "paged")),
+                                 ("decode_attention", decode_attention, decode_attention in ("sdpa", "flex") and (
+                                     decode_attention == "sdpa" or kv_cache == "static"))):
             if not ok:
                 raise ValueError(f"{field} = {value!r} is out of range")
         self.device = torch.device(device)
@@ -156,13 +161,14 @@ class FastHFEngine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dev, b, s = self.device, batch_size, self.max_len
         self.paged = kv_cache == "paged"
-        # the decode step reads the paged pool in place (FlexAttention block mask), all B rows at once
-        self.pool_in_place = self.paged and paged_attention == "flex"
+        # the decode step attends the whole cache through a FlexAttention block mask, all B rows at once
+        self.flex_decode = paged_attention == "flex" if self.paged else decode_attention == "flex"
         if self.paged:
             self.cache = PagedKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev,
                                       block_size=block_size, num_blocks=kv_blocks, attention=paged_attention)
         else:
-            self.cache = StaticKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev)
+            self.cache = StaticKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev,
+                                       flex=self.flex_decode)
         self.preemptions = 0  # paged: sequences restarted because the pool ran out
         self.decode_steps = 0  # decode steps taken (all generate calls)
         self.sync_wait_s = 0.0  # host seconds spent waiting for the device at the loop's syncs
@@ -321,7 +327,7 @@ class FastHFEngine:
             self._route_at = (rows, pos)
         pos_ids = pos[:, None]
         x = self.embed((self.tok if full else self.tok[rows])[:, None])
-        if self.pool_in_place:  # the pool read in place through the table
+        if self.flex_decode:  # each row's own blocks of the whole cache (the paged pool in place)
             mask = self.cache.decode_block_mask(self.pos)
         else:
             # Additive mask built once per step (a bool mask is converted again in every layer).
@@ -362,7 +368,7 @@ class FastHFEngine:
 
     def _span(self, top: int) -> int:
         """Cache positions a decode step attends when the furthest row writes position ``top - 1``."""
-        if self.pool_in_place:  # the block mask bounds each row: one graph
+        if self.flex_decode:  # the block mask bounds each row: one graph
             return self.cache.max_span
         # graphs need few fixed shapes; eager steps attend what is written (whole blocks)
         bucket = self.span_bucket if self.graphs_on else self.cache.span_quantum
@@ -371,7 +377,7 @@ class FastHFEngine:
     def _step(self, span: int, greedy: bool) -> None:
         if not self.graphs_on:
             # A compiled step keeps the fixed batch shape; a plain eager one runs only the live rows.
-            rows = None if self._compiled or self.pool_in_place else self._live_rows()
+            rows = None if self._compiled or self.flex_decode else self._live_rows()
             if rows is None:
                 self._decode_fn(span, greedy)
             elif rows.numel():

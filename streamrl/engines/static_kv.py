@@ -4,7 +4,10 @@
   layers call it with the K/V that :class:`StaticKVCache` returns (grouped-query heads folded
   into the query axis at decode, so each cached KV head is read once).
 * :class:`StaticKVCache`: per-layer ``[B, Hkv, S, D]`` slots written in place (prefill, decode,
-  and forks of a shared prompt's rows).
+  and forks of a shared prompt's rows). With ``flex`` it also gives the decode step a FlexAttention
+  ``BlockMask`` (:meth:`StaticKVCache.decode_block_mask`): each row attends its own written blocks
+  of the whole cache, and FlexAttention's decoding kernel splits those blocks over the GPU (the
+  sdpa kernels give one CTA per (row, KV head) a whole span to walk: latency-bound at batch 256).
 * :func:`sample_tokens`: the device-side draw and its behaviour log-prob (no host sync).
 """
 from __future__ import annotations
@@ -16,6 +19,9 @@ from transformers import AttentionInterface
 
 from streamrl.engines.host_io import to_device
 from streamrl.engines.paged_flex import flex_decode_attention
+
+FLEX_BLOCK = 128
+"""KV positions per FlexAttention block of the static cache (a multiple of the decoding kernel's tile)."""
 
 ATTN = "streamrl_static_kv"
 """Name of the attention kernel registered with transformers (selected inside the engine only)."""
@@ -58,7 +64,10 @@ class StaticKVCache:
     at ``pos`` and returns those slots' first ``span`` positions (fixed shape per captured graph).
     """
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device,
+                 flex: bool = False):
+        if flex:  # whole FlexAttention blocks
+            max_len = -(-max_len // FLEX_BLOCK) * FLEX_BLOCK
         shape = (batch, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -67,6 +76,10 @@ class StaticKVCache:
         self.span = max_len
         self.prefill = False
         self.start: torch.Tensor | None = None
+        self._upto_pos = None  # flex: mask_mod reading the decode positions
+        n = max_len // FLEX_BLOCK
+        self._all_blocks = (torch.arange(n, dtype=torch.int32, device=device).expand(batch, 1, 1, n).contiguous()
+                            if flex else None)
 
     # Host-side interface shared with PagedKVCache: a static slot always has room.
     span_quantum = 1
@@ -111,6 +124,20 @@ class StaticKVCache:
         for k, v in zip(self.k, self.v):
             k[to, :, :n] = k[fr, :, :n]
             v[to, :, :n] = v[fr, :, :n]
+
+    def decode_block_mask(self, pos: torch.Tensor) -> BlockMask:
+        """Blocks each decode row attends, pos ``[B]`` (the position it writes this step): blocks before
+        the one holding ``pos[b]`` whole, that one up to ``pos[b]`` (device ops only: captured as is).
+        ``pos`` must be the same tensor at every step (the mask_mod reads it when the kernel runs)."""
+        if self._upto_pos is None:
+            self._upto_pos = lambda b, h, q_idx, kv_idx: kv_idx <= pos[b]
+        b, n = pos.shape[0], self._all_blocks.shape[-1]
+        last = (pos // FLEX_BLOCK).to(torch.int32)  # [B] block holding pos
+        part_idx = F.pad(last.view(b, 1, 1, 1), (0, n - 1))
+        part_num = torch.ones(b, 1, 1, dtype=torch.int32, device=pos.device)
+        return BlockMask.from_kv_blocks(part_num, part_idx, last.view(b, 1, 1), self._all_blocks,
+                                        BLOCK_SIZE=FLEX_BLOCK, mask_mod=self._upto_pos,
+                                        seq_lengths=(1, self.max_span), compute_q_blocks=False)
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         k, v = self.k[layer_idx], self.v[layer_idx]

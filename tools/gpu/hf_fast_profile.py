@@ -6,7 +6,7 @@ SPANS: the attended span(s) of the timed graphs, comma-separated (the rollout_lo
 128..1152); the kernel profile is of the last span's graph replays (device ms per kernel family and the top
 kernels as one JSON line, torch.profiler's table in $OUT/hf_fast_profile_b<B>_span<S>.txt). NO_PROFILE=1
 skips it. EXPERTS=grouped_mm (or another transformers name) A/Bs the engine's experts implementation
-(default: the engine's auto choice).
+(default: the engine's auto choice); ATTN=flex the static cache's FlexAttention decode (default sdpa).
 The first line also counts the host<->device syncs of one generate call (torch's sync debug
 mode), next to its decode steps: the loop should sync once per ``sync_every`` steps.
 """
@@ -28,7 +28,9 @@ MAX_LEN = max(384, max(SPANS))
 model = build_bench_model("moe-1b", "cuda", "bfloat16")
 eng = FastHFEngine(model, None, device="cuda", batch_size=B, max_seq_len=MAX_LEN, eos_token_id=32768,
                    kv_cache=KV, span_bucket=SPAN if SPAN % 16 == 0 else 128,
-                   experts_implementation=os.environ.get("EXPERTS", "auto"))
+                   experts_implementation=os.environ.get("EXPERTS", "auto"),
+                   decode_attention=os.environ.get("ATTN", "sdpa"))
+ATTN = os.environ.get("ATTN", "sdpa")
 prompts = torch.randint(3, 32768, (B, P)).tolist()
 eng.generate(prompts, 8, 1.0)  # captures the graph of the first span
 steps0 = eng.decode_steps
@@ -40,18 +42,20 @@ with warnings.catch_warnings(record=True) as caught:
     finally:
         torch.cuda.set_sync_debug_mode("default")
 syncs = sum("synchroniz" in str(w.message) for w in caught)
-print(f"B={B} kv={KV} experts={eng.experts_impl} generate of 64 new tokens: {eng.decode_steps - steps0} decode steps, {syncs} host syncs "
+print(f"B={B} kv={KV} attn={ATTN} experts={eng.experts_impl} generate of 64 new tokens: {eng.decode_steps - steps0} decode steps, {syncs} host syncs "
       f"(sync_every={eng.sync_every})")
 with torch.inference_mode(), eng._impl():
     for span in SPANS:  # as generate() runs (in grad mode the compile fails)
-        if (span, False) not in eng.graphs:
-            eng.graphs[(span, False)] = eng._capture(span, False)
+        if (eng._span(span), False) not in eng.graphs:  # flex: one graph for all spans
+            eng.graphs[(eng._span(span), False)] = eng._capture(eng._span(span), False)
     eng.max_new.fill_(256)
     eng._prefill(list(range(B)), prompts, False)
     eng.cache.grow(list(range(B)), [MAX_LEN] * B)  # paged: blocks for every position the steps write
     replay_ms = {}
     for span in SPANS:
-        g = eng.graphs[(span, False)]
+        # rows write positions span-24 .. span-1: sdpa attends the span bucket, flex each row's blocks up to there
+        eng.pos.fill_(span - 24)
+        g = eng.graphs[(eng._span(span), False)]
         for _ in range(3):
             g.replay()
         torch.cuda.synchronize()
@@ -62,7 +66,7 @@ with torch.inference_mode(), eng._impl():
         e1.record()
         torch.cuda.synchronize()
         replay_ms[span] = e0.elapsed_time(e1) / 20
-        print(f"B={B} kv={KV} span={span} graph replay: {replay_ms[span]:.3f} ms/step")
+        print(f"B={B} kv={KV} attn={ATTN} span={span} graph replay: {replay_ms[span]:.3f} ms/step")
     if os.environ.get("NO_PROFILE"):
         sys.exit(0)
     # The captured step as generate() runs it (compiled kernels inside the graph), per kernel family
@@ -72,11 +76,12 @@ with torch.inference_mode(), eng._impl():
 
     out = os.environ.get("OUT", ".")
     cuda = torch.device("cuda")
-    res = profile_breakdown(eng.graphs[(SPAN, False)].replay, 10, cuda, torch.cuda.synchronize,
-                            table_path=f"{out}/hf_fast_profile_b{B}_span{SPAN}_{eng.experts_impl}.txt", top=25)
+    eng.pos.fill_(SPAN - 24)  # the 10 profiled steps write inside the span as well
+    res = profile_breakdown(eng.graphs[(eng._span(SPAN), False)].replay, 10, cuda, torch.cuda.synchronize,
+                            table_path=f"{out}/hf_fast_profile_b{B}_span{SPAN}_{eng.experts_impl}_{ATTN}.txt", top=25)
     res["what"] = "graph replay"
     if res["device_ms_per_step"] < 0.5 * replay_ms[SPAN]:
         res = profile_breakdown(lambda: eng._decode(SPAN, False), 3, cuda, torch.cuda.synchronize,
                                 table_path=f"{out}/hf_fast_profile_b{B}_span{SPAN}_eager.txt", top=25)
         res["what"] = "eager step (no kernels seen inside graph replays)"
-print(json.dumps({"batch": B, "kv": KV, "experts": eng.experts_impl, "attn_span": SPAN, "replay_ms": replay_ms[SPAN], **res}))
+print(json.dumps({"batch": B, "kv": KV, "attn": ATTN, "experts": eng.experts_impl, "attn_span": SPAN, "replay_ms": replay_ms[SPAN], **res}))

@@ -1,0 +1,52 @@
+"""Static-cache decode through FlexAttention (each row's own 128-position blocks) = the sdpa decode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamrl.config import ModelConfig
+from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.static_kv import FLEX_BLOCK
+from streamrl.models import build_model
+
+
+@pytest.fixture(scope="module")
+def tiny_long():
+    model, tok = build_model(ModelConfig(max_positions=400), seed=1)
+    return model.eval(), tok
+
+
+def _decode(model, tok, attention: str, compiled: bool = False):
+    g = torch.Generator().manual_seed(4)
+    # prompts of 100..250 tokens and 40 new ones: rows sit in different blocks and cross block borders;
+    # 5 prompts through 3 slots: a refilled slot attends only its new sequence's blocks
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (100, 250, 120, 126, 170)]
+    eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=300, sync_every=4, decode_attention=attention)
+    if compiled:
+        eng._compile_decode()
+    return eng, eng.generate(prompts, 40, 0.0)
+
+
+def test_flex_decode_equals_sdpa_across_blocks_and_refills(tiny_long):
+    model, tok = tiny_long
+    _, ref = _decode(model, tok, "sdpa")
+    eng, got = _decode(model, tok, "flex")
+    assert eng.cache.max_span % FLEX_BLOCK == 0 and eng.cache.max_span >= 300
+    assert got.tokens == ref.tokens
+    for a, b in zip(got.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_flex_decode_equals_sdpa(tiny_long):
+    """The compiled step (what CUDA graphs capture) runs FlexAttention's kernel, which skips blocks."""
+    model, tok = tiny_long
+    _, ref = _decode(model, tok, "sdpa")
+    eng, got = _decode(model, tok, "flex", compiled=True)
+    assert eng._compiled and got.tokens == ref.tokens
+
+
+def test_flex_decode_needs_the_static_cache():
+    model, tok = build_model(ModelConfig(), seed=1)
+    with pytest.raises(ValueError, match="decode_attention"):
+        FastHFEngine(model, tok, kv_cache="paged", decode_attention="flex")
