@@ -118,7 +118,7 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
                            compile: bool | None = None, model_path: str | None = None, span_bucket: int = 128,
                            generate_tokens: int | None = None, kv_cache: str = "static", block_size: int = 16,
                            spread_lengths: bool = False, paged_attention: str = "gather",
-                           experts: str = "auto", decode_attention: str = "sdpa") -> dict:
+                           experts: str = "auto", decode_attention: str = "auto") -> dict:
     """Tokens/s of :class:`FastHFEngine` and of ``model.generate()`` side by side; returns figures.
 
     ``model_path``: an HF folder instead of the random ``preset`` (e.g. SmolLM2); ``generate_tokens``:
@@ -129,7 +129,7 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
     response caps drawn uniformly from ``1..new_tokens`` per request (real responses end at
     different lengths); the fast path then counts the tokens it drew. ``experts``: the engine's
     ``experts_implementation`` ("auto", or a transformers name such as "grouped_mm" to A/B it);
-    ``decode_attention``: the static cache's decode attention ("sdpa" or "flex").
+    ``decode_attention``: the static cache's decode attention ("auto", "sdpa" or "flex").
     """
     from streamrl.engines.hf_fast import FastHFEngine
 
@@ -150,7 +150,7 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
                           eos_token_id=no_eos, compile=compile, span_bucket=span_bucket, kv_cache=kv_cache,
                           block_size=block_size, paged_attention=paged_attention, experts_implementation=experts,
                           decode_attention=decode_attention)
-    out["experts"], out["decode_attention"] = engine.experts_impl, decode_attention
+    out["experts"], out["decode_attention"] = engine.experts_impl, engine.decode_attention
     plist = prompts.tolist()
     caps = torch.randint(1, new_tokens + 1, (batch,), generator=gen).tolist() if spread_lengths else None
     t0 = time.perf_counter()
@@ -283,8 +283,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16, help="positions per block of the paged cache")
     p.add_argument("--paged-attention", default="gather", choices=["gather", "flex"],
                    help="paged decode: gather blocks per layer, or FlexAttention over the pool in place")
-    p.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "flex"],
-                   help="static cache: sdpa over the span bucket, or FlexAttention over each row's blocks")
+    p.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa", "flex"],
+                   help="static cache: sdpa over the span bucket, or FlexAttention over each row's blocks (auto: flex on CUDA)")
     p.add_argument("--experts", default="auto", help="experts implementation of the engine (auto, grouped_mm, ...)")
     p.add_argument("--spread-lengths", action="store_true", help="response caps uniform in 1..new-tokens")
     p.add_argument("--seed", type=int, default=0)

@@ -17,10 +17,10 @@
 #   KV=paged CASES=moe1b-b256-8k-spread bash tools/gpu/rollout_long.sh
 # PAGED_ATTN=flex (with KV=paged): FlexAttention over the pool in place; refused on CUDA since it failed its GPU parity
 # test (session 7): fix paged_flex.py and pass `pytest -m gpu tests/test_hf_fast_paged.py` first.
-# ATTN=flex (KV=static): the decode step attends through FlexAttention (each row's own blocks, one graph).
+# ATTN=sdpa|flex (KV=static; default auto = flex on CUDA): the decode step's attention (flex: each row's own blocks, one graph).
 set -uo pipefail
 source tools/gpu/env.sh || exit 1
-ATTN=${ATTN:-sdpa}
+ATTN=${ATTN:-auto}
 BUDGET_S=${BUDGET_S:-450}
 GEN_TOKENS=${GEN_TOKENS:-256}
 KV=${KV:-static}
@@ -34,7 +34,7 @@ else
 fi
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache   # shared by the cases: same graphs compile once
 START=$(date +%s)
-JSONL="$OUT/rollout_long_$KV${PAGED_ATTN/gather/}${ATTN/sdpa/}.jsonl"; : > "$JSONL"
+JSONL="$OUT/rollout_long_$KV${PAGED_ATTN/gather/}${ATTN/auto/}.jsonl"; : > "$JSONL"
 if [[ " $CASES " == *" smol-"* && ! -f /tmp/smol/config.json ]]; then
   python3 -m streamrl.models.prepare --out /tmp/smol --dtype float32 > "$OUT/prepare_smol.log" 2>&1 \
     || echo '{"case": "prepare-smol", "error": "streamrl.models.prepare failed; see prepare_smol.log"}' | tee -a "$JSONL"
