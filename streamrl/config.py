@@ -228,6 +228,10 @@ class RolloutConfig:
     paged_attention: str = "gather"
     """hf_fast paged: 'gather' (copy each slot's blocks into a contiguous span per layer) or 'flex' (FlexAttention
     reads the pool in place through a block mask; always compiled; CPU only: it failed its CUDA parity test)."""
+    decode_attention: str = "auto"
+    """hf_fast static KV: decode attention 'sdpa' (each step attends the span bucket of its furthest row) or 'flex'
+    (FlexAttention reads each row's own 128-position blocks, split over the GPU; one compiled graph for all spans);
+    'auto' = flex on CUDA, sdpa on CPU."""
     max_model_len: int = 512
     """vllm and hf_fast: longest prompt + response in tokens (hf_fast sizes its KV cache by it)."""
     gpu_memory_utilization: float = 0.5
@@ -263,6 +267,11 @@ class RolloutConfig:
                self.paged_attention, "'flex' reads the paged pool: needs rollout.kv_cache = 'paged'")
         _check(self.paged_attention == "gather" or not self.device.startswith("cuda"), f"{p}.paged_attention",
                self.paged_attention, "'flex' failed its CUDA parity test (tests/test_hf_fast_paged.py): use 'gather' on CUDA")
+        _check(self.decode_attention in ("auto", "sdpa", "flex"), f"{p}.decode_attention", self.decode_attention,
+               "must be 'auto', 'sdpa' or 'flex'")
+        _check(self.decode_attention != "flex" or (self.engine == "hf_fast" and self.kv_cache == "static"),
+               f"{p}.decode_attention", self.decode_attention,
+               "'flex' is hf_fast's static-KV decode: needs rollout.engine = 'hf_fast' and rollout.kv_cache = 'static'")
         _check(self.max_model_len >= 2, f"{p}.max_model_len", self.max_model_len, "must be >= 2")
         _check(0 < self.gpu_memory_utilization <= 1, f"{p}.gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")

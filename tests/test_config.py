@@ -37,6 +37,7 @@ def test_roundtrip_through_dict(repo):
         ("rollout.group_size=2.5", "rollout.group_size", "2.5"),
         ("model.experts_per_token=9", "model.experts_per_token", "9"),
         ("rollout.paged_attention=fast", "rollout.paged_attention", "'fast'"),
+        ("rollout.decode_attention=fast", "rollout.decode_attention", "'fast'"),
     ],
 )
 def test_bad_values_name_field_and_value(override, field, value):
@@ -44,6 +45,12 @@ def test_bad_values_name_field_and_value(override, field, value):
         load_config(None, [override])
     msg = str(e.value)
     assert field in msg and value in msg
+
+
+def test_flex_decode_attention_needs_hf_fast_static_kv():
+    load_config(None, ["rollout.engine=hf_fast", "rollout.decode_attention=flex"])
+    with pytest.raises(ConfigError, match="rollout.decode_attention.*kv_cache"):
+        load_config(None, ["rollout.engine=hf_fast", "rollout.kv_cache=paged", "rollout.decode_attention=flex"])
 
 
 def test_unknown_field_is_named():

@@ -59,7 +59,8 @@ def build_engine(cfg: Config, model=None, tok=None):
         return FastHFEngine(model, tok, device=rc.device, batch_size=rc.prompts_per_batch * rc.group_size,
                             max_seq_len=rc.max_model_len, record_routing=rc.record_routing,
                             share_prompts=rc.enable_prefix_caching, kv_cache=rc.kv_cache,
-                            block_size=rc.kv_block_size, kv_blocks=blocks, paged_attention=rc.paged_attention)
+                            block_size=rc.kv_block_size, kv_blocks=blocks, paged_attention=rc.paged_attention,
+                            decode_attention=rc.decode_attention)
     if rc.engine == "vllm":
         from streamrl.engines.vllm_engine import VLLMEngine
 
