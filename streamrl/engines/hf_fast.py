@@ -16,7 +16,8 @@ with its own loop:
   sequences grow instead of the static slots; a group's full prompt blocks are shared, the
   pool's size is a budget (a sequence that finds it empty is preempted and recomputed later).
 * **Fixed-shape decode step** over all ``B`` slots (idle/finished slots compute and are
-  ignored), captured once per attended-span bucket in a CUDA graph. The graph reads the
+  ignored), captured in a CUDA graph: once per attended-span bucket with sdpa, once in all with
+  FlexAttention (``decode_attention``, the CUDA default: each row reads its own blocks). The graph reads the
   parameters by address, so :meth:`load_weights` copies into the same storage and the next
   replay uses the new weights without a re-capture.
 * **Continuous refill**: every ``sync_every`` steps the host reads the ``done`` flags (the only
@@ -86,7 +87,7 @@ class FastHFEngine:
             kernels of a step: norms, rotary, router, sampling) before capturing it (default: on
             with graphs; falls back to the plain step if compilation fails).
         span_bucket: with CUDA graphs, the attended cache span is rounded up to a multiple of this
-            (one graph each); eager steps attend exactly the written positions.
+            (one graph each; not with ``decode_attention="flex"``); eager steps attend exactly the written positions.
         sync_every: decode steps between reads of the ``done`` flags (refill granularity).
         share_prompts: prefill identical prompts of one refill once and fork their K/V (groups).
         kv_cache: "static" (a ``[B, Hkv, S, D]`` slot per sequence) or "paged" (a block pool used as
