@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -59,3 +60,28 @@ def test_steady_state_leaves_out_the_start_up(tmp_path):
     (8, 8, 1, 8), (4, 8, 2, 4), (32, 8, 1, 8), (32, 8, 2, 4), (32, 6, 4, 6), (3, 8, 1, 8)])
 def test_sync_run_generates_one_step_at_a_time(batch, per_step, rollers, want):
     assert sync_batch(batch, per_step, rollers) == want
+
+
+def test_merge_combines_the_pairs_of_several_results(tmp_path):
+    """Pairs run in separate invocations (one per device call) merge into medians over all of them."""
+    from streamrl.bench.e2e import main, merge
+
+    args = argparse.Namespace(target=None, staleness=4, learners=1, rollers=1, steps=4, config="c.yaml")
+    one = summarize(args, [(_run("sync-0", 10, 0.5), _run("async-0", 18, 0.1))], tmp_path / "a.png")
+    two = summarize(args, [(_run("sync-0", 12, 0.7), _run("async-0", 30, 0.2)),
+                           (_run("sync-1", 11, 0.6), _run("async-1", 20, 0.3))], tmp_path / "b.png")
+    res = merge([one, two])
+    assert res["repeats"] == 3
+    assert res["speedup_async_vs_sync"] == pytest.approx(20 / 11)
+    assert res["spread"]["speedup_async_vs_sync"] == pytest.approx([1.8, 2.5])
+    assert res["spread"]["learner_idle_pct_async"] == pytest.approx([10, 30])
+    assert [r["launch_wall_s"] for r in res["runs"]] == [[5.0, 5.0]] * 3
+    files = []
+    for i, r in enumerate((one, two)):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(r))
+    assert main(["--merge", *map(str, files), "--out", str(tmp_path / "m")]) == 0
+    assert json.loads((tmp_path / "m" / "result.json").read_text())["repeats"] == 3
+    other = dict(two, steps=8)
+    with pytest.raises(ValueError, match="steps = 8"):
+        merge([one, other])

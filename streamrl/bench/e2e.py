@@ -17,7 +17,8 @@ reach ``--target`` reward). ``--repeats N`` (default 3) runs sync and async N ti
 alternately (sync, async, sync, ...: drift of a shared machine hits both alike); the figures
 are then medians over the repeats, ``spread`` holds their min-max, ``speedup_async_vs_sync`` is
 the ratio of the median samples/s (its spread: the min-max of the per-pair ratios) and
-``runs`` the per-repeat figures. ``*_steady`` figures leave out the first fifth of the steps
+``runs`` the per-repeat figures; ``--merge A/result.json B/result.json ...`` combines the pairs
+of several invocations of the same setup the same way (runs split over device calls). ``*_steady`` figures leave out the first fifth of the steps
 (start-up: model load, compile, CUDA-graph capture), which the whole-run figures include. ``--ablation`` instead compares off-policy corrections at high
 staleness (``--losses``, ``--ablation-staleness``) over ``--seeds``.
 """
@@ -51,6 +52,8 @@ def parse_args(argv):
     p.add_argument("--ablation-staleness", type=int, default=8)
     p.add_argument("--seeds", type=int, default=1, help="ablation: seeds per loss")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--merge", nargs="+", metavar="RESULT_JSON", default=None,
+                   help="instead of running: merge result.json files of the same setup into one (medians over all pairs)")
     p.add_argument("overrides", nargs="*", help="config overrides for both runs")
     return p.parse_args(argv)
 
@@ -157,6 +160,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.ablation:
         return ablation(args, out)
+    if args.merge:
+        try:
+            result = merge([json.loads(Path(f).read_text()) for f in args.merge])
+        except (OSError, ValueError, KeyError) as e:
+            print(f"--merge: {e}", file=sys.stderr)
+            return 2
+        (out / "result.json").write_text(json.dumps(result, indent=2))
+        _print_table(result)
+        if args.json:
+            print(json.dumps(result))
+        return 0
     if args.repeats < 1:
         print(f"--repeats = {args.repeats}: must be >= 1", file=sys.stderr)
         return 2
@@ -182,16 +196,22 @@ def summarize(args, pairs: list[tuple[dict, dict]], png: Path) -> dict:
     sync_final = statistics.median(figures(sync, float("inf"))["final_reward"] for sync, _ in pairs)
     target = args.target if args.target is not None else 0.8 * sync_final
     per = [(figures(sync, target), figures(asyn, target)) for sync, asyn in pairs]
+    plot([run for pair in pairs for run in pair], png,
+         f"async (k={args.staleness}) vs sync — {args.learners} learner(s), {args.rollers} roller(s)")
+    meta = {"config": args.config, "learners": args.learners, "rollers": args.rollers, "steps": args.steps,
+            "staleness": args.staleness, "target_reward": target,
+            "sync_prompts_per_batch": getattr(args, "sync_ppb", None)}
+    return {**combine(meta, per, [[sync["launch_wall_s"], asyn["launch_wall_s"]] for sync, asyn in pairs]),
+            "png": str(png)}
+
+
+def combine(meta: dict, per: list[tuple[dict, dict]], launch_walls: list[list[float]]) -> dict:
+    """Result of ``(sync, async)`` :func:`figures` pairs: medians, min-max spreads, per-pair ratios."""
     fs, fa = median_figures([f for f, _ in per]), median_figures([f for _, f in per])
     ratios = [a["samples_per_s"] / b["samples_per_s"] for b, a in per]
     steady = [a["samples_per_s_steady"] / b["samples_per_s_steady"] for b, a in per]
-    plot([run for pair in pairs for run in pair], png,
-         f"async (k={args.staleness}) vs sync — {args.learners} learner(s), {args.rollers} roller(s)")
-    result = {
-        "benchmark": "e2e",
-        "config": args.config, "learners": args.learners, "rollers": args.rollers, "steps": args.steps,
-        "staleness": args.staleness, "target_reward": target, "repeats": len(pairs),
-        "sync_prompts_per_batch": getattr(args, "sync_ppb", None),
+    return {
+        "benchmark": "e2e", **meta, "repeats": len(per),
         "sync": fs, "async": fa,
         "speedup_async_vs_sync": fa["samples_per_s"] / fs["samples_per_s"],
         "speedup_async_vs_sync_steady": fa["samples_per_s_steady"] / fs["samples_per_s_steady"],
@@ -206,11 +226,26 @@ def summarize(args, pairs: list[tuple[dict, dict]], png: Path) -> dict:
                for i, name in ((0, "sync"), (1, "async"))},
         },
         "runs": [{"sync": b, "async": a, "speedup_async_vs_sync": x, "speedup_async_vs_sync_steady": y,
-                  "launch_wall_s": [sync["launch_wall_s"], asyn["launch_wall_s"]]}
-                 for (b, a), x, y, (sync, asyn) in zip(per, ratios, steady, pairs)],
-        "png": str(png),
+                  "launch_wall_s": w} for (b, a), x, y, w in zip(per, ratios, steady, launch_walls)],
     }
-    return result
+
+
+MERGE_KEYS = ("config", "learners", "rollers", "steps", "staleness", "sync_prompts_per_batch")
+"""What the merged results must share (the runs must measure the same thing)."""
+
+
+def merge(results: list[dict]) -> dict:
+    """One result from several ``result.json`` of the same setup (e.g. one pair per device call):
+    medians and spreads over all their pairs. Each pair keeps the time-to-target of its own call's
+    target; the merged ``target_reward`` is their median."""
+    for r in results[1:]:
+        for k in MERGE_KEYS:
+            if r.get(k) != results[0].get(k):
+                raise ValueError(f"cannot merge: {k} = {r.get(k)!r} in one result, {results[0].get(k)!r} in another")
+    runs = [run for r in results for run in r["runs"]]
+    meta = {k: results[0].get(k) for k in MERGE_KEYS}
+    meta["target_reward"] = statistics.median(r["target_reward"] for r in results)
+    return combine(meta, [(run["sync"], run["async"]) for run in runs], [run["launch_wall_s"] for run in runs])
 
 
 def ablation(args, out: Path) -> int:

@@ -6,6 +6,8 @@
 # launch compiles the decode step, later ones reuse the inductor cache (TORCHINDUCTOR_CACHE_DIR).
 # CONFIG=configs/gpu-moe.yaml STEPS=30 REPEATS=1 gives the issue-9 figure. ROLLERS (1): rollout
 # workers, all on cuda:0; TAG names the $OUT subfolder; extra arguments are config overrides.
+# Pairs split over device calls (e.g. STEPS=60 REPEATS=1, one pair per call) merge here afterwards:
+#   streamrl-bench e2e --merge call1/e2e/result.json call2/e2e/result.json call3/e2e/result.json --out runs/e2e-merged
 set -uo pipefail
 source tools/gpu/env.sh || exit 1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
