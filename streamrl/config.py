@@ -231,7 +231,7 @@ class RolloutConfig:
     decode_attention: str = "auto"
     """hf_fast static KV: decode attention 'sdpa' (each step attends the span bucket of its furthest row) or 'flex'
     (FlexAttention reads each row's own 128-position blocks, split over the GPU; one compiled graph for all spans);
-    'auto' = flex on CUDA, sdpa on CPU."""
+    'auto' = flex on CUDA when max_model_len >= 512 (streamrl.engines.hf_fast.FLEX_MIN_LEN), else sdpa."""
     max_model_len: int = 512
     """vllm and hf_fast: longest prompt + response in tokens (hf_fast sizes its KV cache by it)."""
     gpu_memory_utilization: float = 0.5

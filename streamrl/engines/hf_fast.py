@@ -66,6 +66,10 @@ from streamrl.engines.paged_kv import PagedKVCache
 from streamrl.engines.static_kv import ATTN, StaticKVCache, sample_tokens
 
 KV_CACHES = ("static", "paged")
+FLEX_MIN_LEN = 512
+"""Cache positions from which ``decode_attention="auto"`` picks FlexAttention on CUDA: there the sdpa kernel's one CTA
+per (row, KV head) walking the whole span is latency-bound (measured at 1,088 and 4,224 positions); below it the
+configuration measured with sdpa (SmolLM2 recipe, 256 positions) keeps it."""
 
 def _routers(model) -> list[torch.nn.Module]:
     """MoE routers in layer order (transformers 5 top-k routers return ``(logits, weights, ids)``)."""
@@ -101,8 +105,9 @@ class FastHFEngine:
             CPU only: refused on CUDA, where it failed its parity test).
         decode_attention: how the static cache's decode step attends: "sdpa" (the span bucket of all
             rows) or "flex" (FlexAttention's split-KV decoding kernel over each row's own 128-position
-            blocks of the whole cache; one graph for every span); "auto": flex on CUDA (H200, batch 256,
-            1k tokens: 4.39 vs 5.49 ms a step), sdpa on CPU (where the uncompiled step runs).
+            blocks of the whole cache; one graph for every span); "auto": flex on CUDA for caches of at least
+            :data:`FLEX_MIN_LEN` positions (H200, batch 256, 1k tokens: 4.39 vs 5.49 ms a step), sdpa for
+            shorter ones (the measured SmolLM2 recipe, 256 positions) and on CPU (the uncompiled step).
         experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
             on CUDA :data:`~streamrl.engines.dense_experts.DENSE` (dense decode steps; prefills through
             ``grouped_mm`` in bf16/fp16, ``batched_mm`` in fp32, where torch's grouped GEMM would sync),
@@ -131,8 +136,10 @@ class FastHFEngine:
             if not ok:
                 raise ValueError(f"{field} = {value!r} is out of range")
         self.device = torch.device(device)
+        self.max_len = max_seq_len or min(getattr(model.config, "max_position_embeddings", 4096), 4096)
         if decode_attention == "auto":
-            decode_attention = "flex" if self.device.type == "cuda" and kv_cache == "static" else "sdpa"
+            decode_attention = "flex" if (self.device.type == "cuda" and kv_cache == "static"
+                                          and self.max_len >= FLEX_MIN_LEN) else "sdpa"
         self.decode_attention = decode_attention
         if paged_attention == "flex" and self.device.type == "cuda":
             # The H200 run of tests/test_hf_fast_paged.py (session 7) failed its flex case; until it passes
@@ -152,7 +159,6 @@ class FastHFEngine:
         self.share_prompts = share_prompts
         self.prefill_tokens = 0  # prompt tokens run through the model (shared prompts count once)
         self.reused_tokens = 0   # prompt tokens whose K/V a kept session supplied (not run again)
-        self.max_len = max_seq_len or min(getattr(cfg, "max_position_embeddings", 4096), 4096)
         self.span_bucket, self.sync_every = span_bucket, sync_every
         self.graphs_on = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.compile = self.graphs_on if compile is None else compile
