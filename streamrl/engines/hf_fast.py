@@ -334,6 +334,8 @@ class FastHFEngine:
         eager, for the live slots ``rows`` ``[n]`` only (:meth:`_live_rows`)."""
         full = rows is None
         rows = self.rows if full else rows
+        if self.flex_decode:  # the block mask bounds each row: the whole cache is the span
+            span = self.cache.max_span
         pos = self.pos if full else self.pos[rows]
         self.cache.rows, self.cache.pos, self.cache.span = rows, pos, span
         if self.routers:
