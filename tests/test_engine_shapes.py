@@ -107,12 +107,17 @@ def test_decode_attention_accepts_the_cuda_kernels_output_layout(monkeypatch, ra
 SHAPES = [(a, r, d) for a in ARCHS for r in RATIOS for d in HEAD_DIMS]
 
 
-@pytest.mark.parametrize("arch,ratio,head_dim", SHAPES)
-def test_hf_fast_on_grouped_query_shapes(arch, ratio, head_dim):
+# flex (FlexAttention over each row's blocks, the CUDA default for long caches) on every ratio, one arch per head dim
+FLEX_SHAPES = [("llama", r, 64) for r in RATIOS] + [("qwen3_moe", r, 128) for r in RATIOS]
+
+
+@pytest.mark.parametrize("arch,ratio,head_dim,decode_attention",
+                         [(*s, "sdpa") for s in SHAPES] + [(*s, "flex") for s in FLEX_SHAPES])
+def test_hf_fast_on_grouped_query_shapes(arch, ratio, head_dim, decode_attention):
     model, tok = shaped_model(arch, ratio, head_dim)
     prompts = prompts_with_a_group()
     # 2 slots for 5 prompts: refills happen, and the group's prompt is prefilled for its siblings
-    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=64, eos_token_id=-1)
+    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=64, eos_token_id=-1, decode_attention=decode_attention)
     torch.manual_seed(0)
     assert_behaviour_logprobs(model, prompts, eng.generate(prompts, 8, TEMP), TEMP)
     assert_greedy(model, prompts, eng.generate(prompts, 8, 0.0))
