@@ -23,6 +23,10 @@ def _decode(model, tok, attention: str, compiled: bool = False):
     prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (100, 250, 120, 126, 170)]
     eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=300, sync_every=4, decode_attention=attention)
     if compiled:
+        # a fresh dynamo cache: after other engines' compiled steps in this process, automatic dynamic
+        # shapes would make this compile symbolic, which torch's CPU FlexAttention codegen fails on
+        # (CUDA workers compile one engine's step once, with static shapes)
+        torch._dynamo.reset()
         eng._compile_decode()
     return eng, eng.generate(prompts, 40, 0.0)
 
