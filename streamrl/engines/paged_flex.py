@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-_compiled_flex = None
+# Made here, not lazily inside the decode step: there dynamo would trace the assignment and replay it with
+# the plain flex_attention, whose uncompiled fallback later engines in the process would then call.
+_compiled_flex = torch.compile(flex_attention, dynamic=False)
 
 
 def pool_sequence(pool: torch.Tensor) -> torch.Tensor:
@@ -54,9 +56,6 @@ def flex_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           scale: float | None) -> torch.Tensor:
     """query ``[B, Hq, 1, D]``, key/value ``[1, Hkv, N*BS, D]`` (:func:`pool_sequence`); returns
     ``[B, 1, Hq, D]`` like HF's attention kernels."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
     b = query.shape[0]
     out = _compiled_flex(query, key.expand(b, -1, -1, -1), value.expand(b, -1, -1, -1), block_mask=block_mask,
                          scale=scale, enable_gqa=query.shape[1] != key.shape[1])
