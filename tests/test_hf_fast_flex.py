@@ -43,11 +43,19 @@ def test_flex_decode_equals_sdpa_across_blocks_and_refills(tiny_long):
 
 @pytest.mark.slow
 def test_compiled_flex_decode_equals_sdpa(tiny_long):
-    """The compiled step (what CUDA graphs capture) runs FlexAttention's kernel, which skips blocks."""
+    """The compiled step (what CUDA graphs capture) runs FlexAttention's kernel, which skips blocks; and it
+    leaves the process's compiled FlexAttention intact: a paged engine reading its pool through flex
+    afterwards decodes what the gathering one does (once, the traced step replaced it with the plain
+    function, whose fallback ignores block lists)."""
     model, tok = tiny_long
     _, ref = _decode(model, tok, "sdpa")
     eng, got = _decode(model, tok, "flex", compiled=True)
     assert eng._compiled and got.tokens == ref.tokens
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (3, 9, 6, 11)]
+    paged = {a: FastHFEngine(model, tok, batch_size=3, max_seq_len=32, kv_cache="paged", block_size=4,
+                             paged_attention=a).generate(prompts, 12, 0.0) for a in ("gather", "flex")}
+    assert paged["flex"].tokens == paged["gather"].tokens
 
 
 def test_flex_decode_needs_the_static_cache():
