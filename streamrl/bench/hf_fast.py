@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     p.add_argument("--paged-attention", default="gather", choices=["gather", "flex"],
                    help="paged decode: gather blocks per layer, or FlexAttention over the pool in place")
     p.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa", "flex"],
-                   help="static cache: sdpa over the span bucket, or FlexAttention over each row's blocks (auto: flex on CUDA)")
+                   help="static cache: sdpa over the span bucket, or FlexAttention over each row's blocks (auto: flex on CUDA for >= 512 positions)")
     p.add_argument("--experts", default="auto", help="experts implementation of the engine (auto, grouped_mm, ...)")
     p.add_argument("--spread-lengths", action="store_true", help="response caps uniform in 1..new-tokens")
     p.add_argument("--seed", type=int, default=0)

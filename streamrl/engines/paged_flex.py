@@ -54,8 +54,8 @@ def last_block_mask_mod(pos: torch.Tensor, block_size: int):
 
 def flex_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask,
                           scale: float | None) -> torch.Tensor:
-    """query ``[B, Hq, 1, D]``, key/value ``[1, Hkv, N*BS, D]`` (:func:`pool_sequence`); returns
-    ``[B, 1, Hq, D]`` like HF's attention kernels."""
+    """query ``[B, Hq, 1, D]``, key/value ``[1, Hkv, N*BS, D]`` (the paged pool, :func:`pool_sequence`) or
+    ``[B, Hkv, S, D]`` (the static cache); returns ``[B, 1, Hq, D]`` like HF's attention kernels."""
     b = query.shape[0]
     out = _compiled_flex(query, key.expand(b, -1, -1, -1), value.expand(b, -1, -1, -1), block_mask=block_mask,
                          scale=scale, enable_gqa=query.shape[1] != key.shape[1])

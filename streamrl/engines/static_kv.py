@@ -30,7 +30,8 @@ ATTN = "streamrl_static_kv"
 def static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """SDPA over the static cache; query ``[B, Hq, q, D]``, key/value ``[B, Hkv, S, D]``,
     attention_mask bool ``[B|1, 1, q, S]``; returns ``([B, q, Hq, D], None)`` like HF's kernels. A
-    ``BlockMask`` instead means paged decode over the whole pool (:mod:`streamrl.engines.paged_flex`)."""
+    ``BlockMask`` instead means a decode step over the whole paged pool or static cache, each row bounded by
+    the mask (:mod:`streamrl.engines.paged_flex`)."""
     if isinstance(attention_mask, BlockMask):  # paged decode reading the pool in place
         return flex_decode_attention(query, key, value, attention_mask, scaling), None
     b, hq, q, d = query.shape
