@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamrl.config import Config, ConfigError, config_from_dict, load_config
+from streamrl.config import Config, ConfigError, admission_wait_note, config_from_dict, load_config
 from streamrl.launcher.runstate import LaunchError, check_redis_url, is_loopback, redact
 from streamrl.preflight import PreflightError, require_preflight
 from streamrl.placement import LAUNCH_ROLES, NodePlan, assign_threads, canonical_role, plan_node, uses_cuda
@@ -288,6 +288,10 @@ def main(argv=None) -> int:
     try:
         launch = prepare(args)
         launch.argv = argv
+        note = admission_wait_note(launch.cfg.rollout.prompts_per_batch, launch.cfg.learner.groups_per_step,
+                                   launch.cfg.learner.max_staleness, len(launch.plan.rollouts))
+        if note and launch.plan.rollouts:
+            print(f"streamrl-launch: note: {note}", file=sys.stderr)
         if args.dry_run:
             print(json.dumps(describe(launch), indent=2))
             return 0

@@ -667,6 +667,27 @@ def _admission_deadlock(batch: int, groups_per_step: int, max_staleness: int) ->
     return None
 
 
+def admission_wait_note(batch: int, groups_per_step: int, max_staleness: int, workers: int) -> str | None:
+    """Why rollout workers would wait for admission between batches, or None.
+
+    In a balanced pipeline a worker finishes batch ``k`` as the learner finishes training what came
+    before it; to start its next batch at once, admission must cover that batch, the one just
+    finished and the other workers' in flight: ``(workers + 1) * batch <= (max_staleness + 1) *
+    groups_per_step``. Below that, every worker idles part of each batch and a rollout-bound run
+    loses throughput (session 10's gpu-long: batch 32, 8 groups a step, staleness 4: the learner
+    idled 20 %). ``max_staleness = 0`` is the synchronous mode, where waiting is the point.
+    """
+    if max_staleness == 0:
+        return None
+    need = math.ceil((workers + 1) * batch / groups_per_step) - 1
+    if max_staleness >= need:
+        return None
+    return (f"learner.max_staleness = {max_staleness}: with rollout.prompts_per_batch = {batch} "
+            f"({batch / groups_per_step:g} steps' groups at learner.groups_per_step = {groups_per_step}) and "
+            f"{workers} rollout worker(s), a worker may start its next batch only once the learner has trained "
+            f"part of its last one, so workers wait between batches; max_staleness >= {need} keeps them decoding")
+
+
 def _coerce(value: Any, tp: Any, name: str) -> Any:
     """Coerce a YAML/CLI value to the annotated field type, or raise naming the field."""
     origin = typing.get_origin(tp)

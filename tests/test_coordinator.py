@@ -111,3 +111,27 @@ def test_config_admission_check_matches_the_reservation_script(redis_url, run_id
             stalled_at = version
             break
     assert stalled_at == _admission_deadlock(batch, per_step, staleness)
+
+
+@pytest.mark.parametrize("batch, per_step, staleness, workers", [
+    (32, 8, 4, 1), (32, 8, 6, 1), (32, 8, 7, 1), (32, 8, 8, 1), (8, 8, 2, 4), (8, 8, 4, 4), (4, 16, 4, 4),
+    (2, 4, 1, 1), (12, 8, 2, 2), (12, 8, 3, 2)])
+def test_config_admission_wait_note_matches_the_reservation_script(redis_url, run_id, batch, per_step, staleness,
+                                                                   workers):
+    """``admission_wait_note`` warns exactly when the Redis reservation script makes a worker wait
+    in a balanced pipeline: workers finish their batches in turn, and when one finishes, the
+    learner has trained every full step of what was delivered before that batch."""
+    from streamrl.config import admission_wait_note
+
+    c = Coordinator(redis_url, run_id)
+    c.r.set(c.keys.version, 0)
+    # start-up: every worker asks for a batch (one that is refused already waits)
+    waited = not all([c.try_reserve(batch, staleness, per_step) for _ in range(workers)])
+    delivered = 0
+    for _ in range(8 * workers):  # the worker whose batch is done asks for its next one at once
+        c.r.set(c.keys.version, delivered // per_step)  # steps trained from earlier batches
+        delivered += batch
+        if not c.try_reserve(batch, staleness, per_step):
+            waited = True
+            break
+    assert waited == (admission_wait_note(batch, per_step, staleness, workers) is not None)
