@@ -8,7 +8,7 @@ Runs ``streamrl-launch`` twice with identical config, code and process counts:
   ``rollout.prompts_per_batch`` does not divide ``learner.groups_per_step`` (e.g. 256-sequence
   decode batches that only an asynchronous run can fill) the sync run splits one step's groups
   over the workers instead (:func:`sync_batch`; the result's ``sync_prompts_per_batch``);
-* **async**: ``learner.max_staleness=k`` (default 4) with the configured off-policy correction.
+* **async**: ``learner.max_staleness=k`` (default: the config's) with the configured off-policy correction.
 
 Figures per run come from the run's own ``metrics.jsonl`` and ``summary.json``. With ``--json``
 the last printed line is one JSON object with both runs and the ratios
@@ -42,7 +42,8 @@ def parse_args(argv):
     p.add_argument("--learners", type=int, default=1)
     p.add_argument("--rollers", type=int, default=1)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--staleness", type=int, default=4, help="max_staleness of the async run")
+    p.add_argument("--staleness", type=int, default=None,
+                   help="max_staleness of the async run (default: the config's, or 4 where the config's is 0)")
     p.add_argument("--repeats", type=int, default=3, help="sync/async pairs, run alternately; figures are medians")
     p.add_argument("--target", type=float, default=None,
                    help="reward target for time-to-target (default: 80%% of the sync run's final reward)")
@@ -175,6 +176,8 @@ def main(argv=None) -> int:
         print(f"--repeats = {args.repeats}: must be >= 1", file=sys.stderr)
         return 2
     cfg = load_config(args.config, args.overrides)  # a config error stops here, before any launch
+    if args.staleness is None:
+        args.staleness = cfg.learner.max_staleness or 4
     args.sync_ppb = sync_batch(cfg.rollout.prompts_per_batch, cfg.learner.groups_per_step, args.rollers)
     sync_overrides = ["learner.max_staleness=0", f"rollout.prompts_per_batch={args.sync_ppb}"]
     pairs = []
