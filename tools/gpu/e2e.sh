@@ -6,8 +6,10 @@
 # launch compiles the decode step, later ones reuse the inductor cache (TORCHINDUCTOR_CACHE_DIR).
 # CONFIG=configs/gpu-moe.yaml STEPS=30 REPEATS=1 gives the issue-9 figure. ROLLERS (1): rollout
 # workers, all on cuda:0; TAG names the $OUT subfolder; extra arguments are config overrides.
-# Pairs split over device calls (e.g. STEPS=60 REPEATS=1, one pair per call) merge here afterwards:
-#   streamrl-bench e2e --merge call1/e2e/result.json call2/e2e/result.json call3/e2e/result.json --out runs/e2e-merged
+# The README's figures (session 11): one 60-step pair per call (~500 s cold, ~405 s warm), three
+# calls back to back so the machine stays warm, then, here:
+#   TAG=e1 STEPS=60 REPEATS=1 E2E_TIMEOUT=560 bash tools/gpu/e2e.sh      (then TAG=e2, TAG=e3)
+#   streamrl-bench e2e --merge e1/result.json e2/result.json e3/result.json --out runs/e2e-merged
 set -uo pipefail
 source tools/gpu/env.sh || exit 1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
