@@ -54,6 +54,7 @@ def test_steady_state_leaves_out_the_start_up(tmp_path):
     assert res["sync"]["samples_per_s"] == pytest.approx(80 / 19)
     assert res["speedup_async_vs_sync_steady"] == pytest.approx(2)
     assert res["async"]["learner_idle_pct_steady"] == pytest.approx(50)
+    assert res["async"]["first_step_done_s"] == 10.0  # the start-up the whole-run figures carry
 
 
 @pytest.mark.parametrize("batch, per_step, rollers, want", [

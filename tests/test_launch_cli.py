@@ -112,3 +112,17 @@ def test_gpu_placement_reaches_processes_through_env_and_flags(capsys, monkeypat
     assert "cuda:1 on node 0 is used by learner and rollout" in err
     out = dry(capsys, "--place", "learner=cuda:0-1", "--place", "rollout=cuda:1", "--colocate", "learner,rollout")
     assert out["placement"]["colocate"] == [["learner", "rollout"]]
+
+
+
+def test_launch_notes_a_staleness_too_small_to_keep_workers_decoding(capsys, repo):
+    """Batches of 2 steps' groups with max_staleness 2: the one worker would wait for admission
+    between batches (``admission_wait_note``), and the launch says so, naming the fields; the
+    config's own setting prints nothing."""
+    config = ["--config", str(repo / "configs/tiny.yaml"), "--rollers", "1", "--dry-run"]
+    assert launch.main([*config, "learner.groups_per_step=8", "rollout.prompts_per_batch=16",
+                        "learner.max_staleness=2"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("streamrl-launch: note: learner.max_staleness = 2") and "max_staleness >= 3" in err, err
+    assert launch.main(config) == 0
+    assert capsys.readouterr().err == ""

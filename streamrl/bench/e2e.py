@@ -112,6 +112,9 @@ def figures(run: dict, target: float) -> dict:
         "generated_tokens_per_s": (received_tokens / wall) if received_tokens else trained_tokens / wall,
         "learner_idle_pct": 100 * idle / max(idle + busy, 1e-9),
         "wall_s": wall,
+        # start-up: learner wall time until its first step is done (model load, the first batch, the
+        # first step's compile); the whole-run figures include it, the steady ones do not
+        "first_step_done_s": recs[0]["wall_s"],
         "samples": samples,
         "time_to_target_s": recs[hit]["wall_s"] if hit is not None else None,
         "samples_to_target": recs[hit]["learner/samples"] if hit is not None else None,
@@ -274,7 +277,7 @@ def ablation(args, out: Path) -> int:
 
 def _print_table(result: dict) -> None:
     keys = ["samples_per_s", "samples_per_s_steady", "generated_tokens_per_s", "trained_tokens_per_s",
-            "learner_idle_pct", "learner_idle_pct_steady", "wall_s",
+            "learner_idle_pct", "learner_idle_pct_steady", "wall_s", "first_step_done_s",
             "time_to_target_s", "samples_to_target", "reward_first", "final_reward", "samples_dropped_stale",
             "staleness_mean"]
     print(f"{'figure':<24}{'sync':>14}{'async':>14}")
