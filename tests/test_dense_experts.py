@@ -8,7 +8,7 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from streamrl.config import ModelConfig
-from streamrl.engines.dense_experts import DENSE, DENSE_MAX_TOKENS, dense_experts_forward
+from streamrl.engines.dense_experts import DENSE, DENSE_CPU_MAX_EXTRA_FLOP, DENSE_MAX_TOKENS, dense_experts_forward
 from streamrl.engines.hf_fast import FastHFEngine
 from streamrl.models import build_model
 
@@ -42,6 +42,7 @@ def test_dense_equals_the_sparse_experts(dtype):
 def test_more_tokens_than_the_dense_limit_go_sparse(monkeypatch):
     """A prefill-sized call takes HF's sparse path (dense would cost E / k times the FLOPs)."""
     block = _block(torch.float32)
+    monkeypatch.setattr("streamrl.engines.dense_experts.DENSE_CPU_MAX_EXTRA_FLOP", float("inf"))  # the CUDA rule
     calls = []
     monkeypatch.setattr("streamrl.engines.dense_experts._sparse", lambda *a: calls.append(a[1].shape[0]) or a[1])
     x = torch.randn(DENSE_MAX_TOKENS + 1, 64)
@@ -52,6 +53,31 @@ def test_more_tokens_than_the_dense_limit_go_sparse(monkeypatch):
     assert calls == [DENSE_MAX_TOKENS + 1]
 
 
+def test_on_cpu_calls_that_would_add_many_flops_go_sparse(monkeypatch):
+    """On CPU the dense path runs only while its added FLOPs, ``T (E - k) 6 H I``, stay under
+    ``DENSE_CPU_MAX_EXTRA_FLOP``: the tiny model's decode steps run dense, a large expert layer sparse."""
+    block = _block(torch.float32)  # E 16, k 4, H 64, I 48: 221k FLOPs added per token
+    calls = []
+    monkeypatch.setattr("streamrl.engines.dense_experts._sparse", lambda *a: calls.append(a[1].shape[0]) or a[1])
+    per_token = (16 - 4) * 6 * 64 * 48
+    fits = int(DENSE_CPU_MAX_EXTRA_FLOP // per_token)
+    x = torch.randn(fits + 1, 64)
+    _, weights, ids = block.gate(x)
+    dense_experts_forward(block.experts, x[:fits], ids[:fits], weights[:fits])
+    assert calls == []
+    dense_experts_forward(block.experts, x, ids, weights)
+    assert calls == [fits + 1]
+
+
+def test_auto_picks_the_dense_experts_on_cpu_and_they_decode_the_tiny_model_densely():
+    model, tok = build_model(ModelConfig(), seed=1)
+    eng = FastHFEngine(model.eval(), tok, batch_size=32, max_seq_len=64)
+    assert eng.experts_impl == DENSE
+    cfg = model.config  # the tiny model: 32 rows add 1.6 MFLOP a layer
+    assert 32 * (cfg.num_experts - cfg.num_experts_per_tok) * 6 * cfg.hidden_size * cfg.moe_intermediate_size \
+        <= DENSE_CPU_MAX_EXTRA_FLOP
+
+
 def test_engine_with_dense_experts_decodes_what_the_sparse_engine_decodes():
     """The engine on the tiny MoE with the dense decode experts (its CUDA default) gives the same greedy
     tokens, log-probs and recorded routing as with the model's own experts, and the step still traces
@@ -60,7 +86,8 @@ def test_engine_with_dense_experts_decodes_what_the_sparse_engine_decodes():
     model.eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (3, 7, 5, 9, 4)]
-    ref = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, record_routing=True).generate(prompts, 10, 0.0)
+    ref = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, record_routing=True,
+                       experts_implementation=None).generate(prompts, 10, 0.0)
     eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, record_routing=True, experts_implementation=DENSE)
     got = eng.generate(prompts, 10, 0.0)
     assert got.tokens == ref.tokens

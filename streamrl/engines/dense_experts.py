@@ -17,6 +17,11 @@ applies the routing weights (zero for the experts a token was not routed to). It
 and on shapes it does not cover (transposed or biased expert weights, expert parallelism),
 it hands over to HF's sparse implementation.
 
+On CPU the op count matters as much (each op costs microseconds of dispatch), but FLOPs are
+scarce: a call runs dense only while the FLOPs it adds over the sparse path stay under
+:data:`DENSE_CPU_MAX_EXTRA_FLOP` (small MoEs such as the tiny test model; a SmolLM2-sized one goes
+sparse).
+
 The result is the sparse one up to float rounding: the same products, the same fp32 sum of the
 ``k`` weighted expert outputs (the other ``E - k`` terms are exact zeros).
 """
@@ -32,10 +37,17 @@ DENSE = "streamrl_dense_decode"
 DENSE_MAX_TOKENS = 512
 """Tokens per call up to which every expert runs every token (decode steps); prefills go sparse."""
 
+DENSE_CPU_MAX_EXTRA_FLOP = 8e6
+"""On CPU, the most FLOPs per call the dense path may add over the sparse one, ``T (E - k) 6 H I``.
+Measured on the 2-core dev machine (2 layers, decode steps of 32-64 rows, session 11): dense is
+18-21 % faster per step at 1.6-9.4 MFLOP added a layer (the tiny model: 0.79 vs 0.96 ms), even at
+19 MFLOP, and slower from 25 MFLOP (1.71 vs 1.62 ms; 151 MFLOP: 4.76 vs 2.90 ms)."""
+
 
 def _sparse(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-    # torch's grouped GEMM is bf16/fp16 only on CUDA (its fp32 fallback syncs the host)
-    sparse = grouped_mm_experts_forward if hidden_states.dtype != torch.float32 else batched_mm_experts_forward
+    # torch's grouped GEMM is bf16/fp16 only on CUDA (its fp32 fallback syncs the host); on CPU it runs fp32
+    fp32_cuda = hidden_states.dtype == torch.float32 and hidden_states.device.type == "cuda"
+    sparse = batched_mm_experts_forward if fp32_cuda else grouped_mm_experts_forward
     return sparse(module, hidden_states, top_k_index, top_k_weights)
 
 
@@ -51,6 +63,10 @@ def dense_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torc
             or getattr(module, "_is_expert_parallel", False)):
         return _sparse(module, hidden_states, top_k_index, top_k_weights)
     e = module.num_experts
+    if hidden_states.device.type == "cpu":
+        added = t * (e - top_k_index.shape[1]) * 6 * h * module.down_proj.shape[-1]  # down_proj [E, H, I]
+        if added > DENSE_CPU_MAX_EXTRA_FLOP:
+            return _sparse(module, hidden_states, top_k_index, top_k_weights)
     gated = getattr(module, "has_gate", True)
     up_w = module.gate_up_proj if gated else module.up_proj  # [E, O, H], O = 2I (gated) or I
     up = torch.nn.functional.linear(hidden_states, up_w.reshape(-1, h)).view(t, e, -1)  # [T, E, O]

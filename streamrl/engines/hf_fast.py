@@ -109,10 +109,11 @@ class FastHFEngine:
             :data:`FLEX_MIN_LEN` positions (H200, batch 256, 1k tokens: 4.39 vs 5.49 ms a step), sdpa for
             shorter ones (the measured SmolLM2 recipe, 256 positions) and on CPU (the uncompiled step).
         experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
-            on CUDA in bf16/fp16 :data:`~streamrl.engines.dense_experts.DENSE` (dense decode steps, measured
-            on the H200: 4.04 vs 5.07 ms a batch-256 step; prefills through ``grouped_mm``), ``batched_mm`` on
-            CUDA in fp32 (torch's grouped GEMM is bf16-only there and its fallback syncs; dense fp32 is not
-            measured), the model's own setting on CPU (where ``E / k`` times the FLOPs would cost).
+            :data:`~streamrl.engines.dense_experts.DENSE` on CUDA in bf16/fp16 (dense decode steps, measured
+            on the H200: 4.04 vs 5.07 ms a batch-256 step; prefills through ``grouped_mm``) and on CPU, where
+            it runs dense only while the FLOPs it adds stay small (the tiny model: 0.79 vs 0.96 ms a step;
+            larger experts go through ``grouped_mm``); ``batched_mm`` on CUDA in fp32 (torch's grouped GEMM
+            is bf16-only there and its fallback syncs; dense fp32 is not measured); None: the model's own.
     """
 
     name = "hf"
@@ -168,8 +169,7 @@ class FastHFEngine:
         self._params = dict(model.named_parameters())
         dtype = next(model.parameters()).dtype
         if experts_implementation == "auto":
-            experts_implementation = None if self.device.type != "cuda" else (
-                "batched_mm" if dtype == torch.float32 else DENSE)
+            experts_implementation = "batched_mm" if (self.device.type == "cuda" and dtype == torch.float32) else DENSE
         self.experts_impl = experts_implementation
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dev, b, s = self.device, batch_size, self.max_len
