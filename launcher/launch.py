@@ -288,9 +288,10 @@ def main(argv=None) -> int:
     try:
         launch = prepare(args)
         launch.argv = argv
-        note = admission_wait_note(launch.cfg.rollout.prompts_per_batch, launch.cfg.learner.groups_per_step,
-                                   launch.cfg.learner.max_staleness, len(launch.plan.rollouts))
-        if note and launch.plan.rollouts:
+        note = launch.plan.rollouts and admission_wait_note(
+            launch.cfg.rollout.prompts_per_batch, launch.cfg.learner.groups_per_step,
+            launch.cfg.learner.max_staleness, len(launch.plan.rollouts))
+        if note:  # only where this host starts workers
             print(f"streamrl-launch: note: {note}", file=sys.stderr)
         if args.dry_run:
             print(json.dumps(describe(launch), indent=2))

@@ -8,7 +8,9 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from streamrl.config import ModelConfig
-from streamrl.engines.dense_experts import DENSE, DENSE_CPU_MAX_EXTRA_FLOP, DENSE_MAX_TOKENS, dense_experts_forward
+from streamrl.engines import dense_experts
+from streamrl.engines.dense_experts import (DENSE, DENSE_CPU_MAX_EXTRA_FLOP, DENSE_MAX_TOKENS, dense_experts_forward,
+                                             dense_extra_flop)
 from streamrl.engines.hf_fast import FastHFEngine
 from streamrl.models import build_model
 
@@ -59,7 +61,7 @@ def test_on_cpu_calls_that_would_add_many_flops_go_sparse(monkeypatch):
     block = _block(torch.float32)  # E 16, k 4, H 64, I 48: 221k FLOPs added per token
     calls = []
     monkeypatch.setattr("streamrl.engines.dense_experts._sparse", lambda *a: calls.append(a[1].shape[0]) or a[1])
-    per_token = (16 - 4) * 6 * 64 * 48
+    per_token = dense_extra_flop(1, 16, 4, 64, 48)
     fits = int(DENSE_CPU_MAX_EXTRA_FLOP // per_token)
     x = torch.randn(fits + 1, 64)
     _, weights, ids = block.gate(x)
@@ -69,13 +71,18 @@ def test_on_cpu_calls_that_would_add_many_flops_go_sparse(monkeypatch):
     assert calls == [fits + 1]
 
 
-def test_auto_picks_the_dense_experts_on_cpu_and_they_decode_the_tiny_model_densely():
+def test_auto_picks_the_dense_experts_on_cpu_and_they_decode_the_tiny_model_densely(monkeypatch):
     model, tok = build_model(ModelConfig(), seed=1)
     eng = FastHFEngine(model.eval(), tok, batch_size=32, max_seq_len=64)
     assert eng.experts_impl == DENSE
     cfg = model.config  # the tiny model: 32 rows add 1.6 MFLOP a layer
-    assert 32 * (cfg.num_experts - cfg.num_experts_per_tok) * 6 * cfg.hidden_size * cfg.moe_intermediate_size \
-        <= DENSE_CPU_MAX_EXTRA_FLOP
+    assert dense_extra_flop(32, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                            cfg.moe_intermediate_size) <= DENSE_CPU_MAX_EXTRA_FLOP
+    sparse_calls = []
+    real_sparse = dense_experts._sparse
+    monkeypatch.setattr(dense_experts, "_sparse", lambda *a: sparse_calls.append(a[1].shape[0]) or real_sparse(*a))
+    eng.generate([[5, 6, 7]] * 32, 6, 1.0)
+    assert sparse_calls == []  # no call of the generation, prefill or decode step, left the dense path
 
 
 def test_engine_with_dense_experts_decodes_what_the_sparse_engine_decodes():

@@ -114,7 +114,6 @@ def test_gpu_placement_reaches_processes_through_env_and_flags(capsys, monkeypat
     assert out["placement"]["colocate"] == [["learner", "rollout"]]
 
 
-
 def test_launch_notes_a_staleness_too_small_to_keep_workers_decoding(capsys, repo):
     """Batches of 2 steps' groups with max_staleness 2: the one worker would wait for admission
     between batches (``admission_wait_note``), and the launch says so, naming the fields; the

@@ -52,7 +52,7 @@ def main() -> int:
                              num_experts=e, num_experts_per_tok=k, max_position_embeddings=a.new_tokens + 16)
         model = Qwen3MoeForCausalLM(cfg).eval()
         sparse, dense = step_ms(model, rows, None, a.new_tokens), step_ms(model, rows, dense_experts.DENSE, a.new_tokens)
-        print(f"H {h:4d} I {i:4d} E {e} k {k} rows {rows:3d}: dense adds {rows * (e - k) * 6 * h * i / 1e6:6.1f} MFLOP "
+        print(f"H {h:4d} I {i:4d} E {e} k {k} rows {rows:3d}: dense adds {dense_experts.dense_extra_flop(rows, e, k, h, i) / 1e6:6.1f} MFLOP "
               f"a layer; ms per step sparse {sparse:.3f}, dense {dense:.3f} ({sparse / dense:.2f}x)")
     return 0
 

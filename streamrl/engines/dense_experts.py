@@ -45,6 +45,12 @@ a layer (the tiny model's shape: 0.88 vs 1.08 ms), even at 19 MFLOP, and slower 
 (1.78 vs 1.66 ms; 151 MFLOP: 4.86 vs 2.93 ms)."""
 
 
+def dense_extra_flop(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> int:
+    """FLOPs the dense path adds over the sparse one in a call of ``tokens``: the ``E - k`` experts a
+    token was not routed to, three ``H x I`` projections each (multiply-add = 2 FLOPs)."""
+    return tokens * (experts - top_k) * 6 * hidden * inter
+
+
 def _sparse(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
     # torch's grouped GEMM is bf16/fp16 only on CUDA (its fp32 fallback syncs the host); on CPU it runs fp32
     fp32_cuda = hidden_states.dtype == torch.float32 and hidden_states.device.type == "cuda"
@@ -65,7 +71,7 @@ def dense_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torc
         return _sparse(module, hidden_states, top_k_index, top_k_weights)
     e = module.num_experts
     if hidden_states.device.type == "cpu":
-        added = t * (e - top_k_index.shape[1]) * 6 * h * module.down_proj.shape[-1]  # down_proj [E, H, I]
+        added = dense_extra_flop(t, e, top_k_index.shape[1], h, module.down_proj.shape[-1])  # down_proj [E, H, I]
         if added > DENSE_CPU_MAX_EXTRA_FLOP:
             return _sparse(module, hidden_states, top_k_index, top_k_weights)
     gated = getattr(module, "has_gate", True)

@@ -111,8 +111,8 @@ class FastHFEngine:
         experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
             :data:`~streamrl.engines.dense_experts.DENSE` on CUDA in bf16/fp16 (dense decode steps, measured
             on the H200: 4.04 vs 5.07 ms a batch-256 step; prefills through ``grouped_mm``) and on CPU, where
-            it runs dense only while the FLOPs it adds stay small (the tiny model: 0.79 vs 0.96 ms a step;
-            larger experts go through ``grouped_mm``); ``batched_mm`` on CUDA in fp32 (torch's grouped GEMM
+            it runs dense only while the FLOPs it adds stay small (``DENSE_CPU_MAX_EXTRA_FLOP``, with the
+            measurement; larger experts go through ``grouped_mm``); ``batched_mm`` on CUDA in fp32 (torch's grouped GEMM
             is bf16-only there and its fallback syncs; dense fp32 is not measured); None: the model's own.
     """
 
