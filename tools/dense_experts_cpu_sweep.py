@@ -51,9 +51,11 @@ def main() -> int:
                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                              num_experts=e, num_experts_per_tok=k, max_position_embeddings=a.new_tokens + 16)
         model = Qwen3MoeForCausalLM(cfg).eval()
-        sparse, dense = step_ms(model, rows, None, a.new_tokens), step_ms(model, rows, dense_experts.DENSE, a.new_tokens)
-        print(f"H {h:4d} I {i:4d} E {e} k {k} rows {rows:3d}: dense adds {dense_experts.dense_extra_flop(rows, e, k, h, i) / 1e6:6.1f} MFLOP "
-              f"a layer; ms per step sparse {sparse:.3f}, dense {dense:.3f} ({sparse / dense:.2f}x)")
+        sparse = step_ms(model, rows, None, a.new_tokens)
+        dense = step_ms(model, rows, dense_experts.DENSE, a.new_tokens)
+        added = dense_experts.dense_extra_flop(rows, e, k, h, i) / 1e6
+        print(f"H {h:4d} I {i:4d} E {e} k {k} rows {rows:3d}: dense adds {added:6.1f} MFLOP a layer; "
+              f"ms per step sparse {sparse:.3f}, dense {dense:.3f} ({sparse / dense:.2f}x)")
     return 0
 
 
