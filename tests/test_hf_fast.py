@@ -269,33 +269,6 @@ def test_gpu_graphs_parity_and_update_without_recapture(decode_attention):
         torch.testing.assert_close(torch.tensor(lp), ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("decode_attention, graphs", [("sdpa", 2), ("flex", 1)])
-def test_gpu_warm_up_captures_what_the_first_batch_replays(decode_attention, graphs):
-    """warm_up (a rollout worker calls it while the learner starts) captures the graphs of the
-    first batch's spans: the batch captures nothing more and decodes what a cold engine decodes."""
-    model, tok = build_model(ModelConfig(), seed=1)
-    kw = dict(device="cuda", batch_size=3, max_seq_len=40, span_bucket=16, decode_attention=decode_attention)
-    prompts = _prompts(7)  # 2-11 tokens + 10 new: every span is in the first two buckets of 16
-    ref = FastHFEngine(model, tok, **kw).generate(prompts, MAX_NEW, temperature=0.0)
-    eng = FastHFEngine(model, tok, **kw)
-    assert eng.warm_up(0.0) == graphs
-    got = eng.generate(prompts, MAX_NEW, temperature=0.0)
-    assert eng.captures == graphs
-    assert got.tokens == ref.tokens
-    for a, b in zip(got.logprobs, ref.logprobs):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
-    assert eng.warm_up(0.0) == 0  # captured once
-
-
-def test_warm_up_without_cuda_graphs_prepares_nothing(tiny):
-    """On CPU the decode step runs eagerly: warm-up has nothing to compile or capture."""
-    model, tok = tiny
-    eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=32)
-    assert eng.warm_up(1.0) == 0 and eng.captures == 0 and not eng.graphs
-
-
 @pytest.mark.slow
 def test_decode_step_traces_whole_without_graph_breaks(tiny):
     """The step that CUDA graphs capture is one dynamo graph (what torch.compile fuses on GPU),

@@ -283,21 +283,9 @@ class RolloutWorker:
             except Exception as e:  # noqa: BLE001 - Redis down: the main loop's retries handle outages
                 self.log.debug("heartbeat failed: %s", e)
 
-    def warm_up(self) -> None:
-        """Let the engine compile what its first batch would (hf_fast: the decode graphs) while the
-        learner is still starting, not in the first batch's time, which the learner waits for."""
-        warm_up = getattr(self.engine, "warm_up", None)
-        if warm_up is None:
-            return
-        t0 = time.perf_counter()
-        graphs = warm_up(self.cfg.rollout.temperature)
-        if graphs:
-            self.log.info("warm-up: %d decode graph(s) captured in %.1f s", graphs, time.perf_counter() - t0)
-
     def run(self) -> int:
         cfg = self.cfg
         rc = cfg.rollout
-        self.warm_up()
         endpoint = self.coord.wait_endpoint("trajectories")
         sender = TrajectorySender(endpoint, self.wid, hwm=cfg.transport.hwm, retain_bytes=cfg.transport.retain_bytes)
         self.log.info("connected to %s (incarnation %d, engine %s)", endpoint, self.incarnation, rc.engine)

@@ -62,8 +62,6 @@ class Engine(Protocol):
     # KV so a later prompt of the same session prefills only its new tokens, and
     # release(sessions) frees them (streamrl.engines.kv_sessions). The episode driver uses them
     # when the engine has ``release``.
-    # Optional (hf_fast): warm_up(temperature) compiles/captures what the first generate call
-    # would; the rollout worker calls it before it waits for the learner.
 
     def score(self, sequences: list[list[int]], start: list[int]) -> list[list[float]]:
         """Teacher-forced log-probs (temperature 1) of ``seq[start:]`` for each sequence."""

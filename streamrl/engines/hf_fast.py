@@ -398,14 +398,10 @@ class FastHFEngine:
             elif rows.numel():
                 self._decode(span, greedy, rows)
             return
-        self._graph(span, greedy).replay()
-
-    def _graph(self, span: int, greedy: bool) -> torch.cuda.CUDAGraph:
-        """The captured decode step for ``span`` and the sampling mode, captured on first use."""
         key = (span, greedy)
         if key not in self.graphs:
             self.graphs[key] = self._capture(span, greedy)
-        return self.graphs[key]
+        self.graphs[key].replay()
 
     def _compile_decode(self) -> None:
         """Run the decode step through ``torch.compile`` from now on.
@@ -496,27 +492,6 @@ class FastHFEngine:
         self.done.fill_(True)
         with self._impl():
             return DecodeLoop(self, prompts, caps, greedy, between_steps, version, stop, sessions).run()
-
-    @torch.inference_mode()
-    def warm_up(self, temperature: float) -> int:
-        """Compile and capture the decode graphs the first batches replay, before there is work.
-
-        A rollout worker calls this while the learner is still starting: the first decode step
-        of a batch otherwise compiles and captures in the batch's own time (~8-10 s for the
-        0.6 B MoE of ``gpu-long.yaml`` with a warm inductor cache, all of it learner idle). With
-        FlexAttention decoding one graph serves every span; with sdpa the first two span buckets
-        are captured (the second compiles the step with the span symbolic, so later buckets only
-        capture). Every slot is idle ("done") meanwhile: the steps write only the trash column.
-        Returns the graphs captured (0 without CUDA graphs: an eager step has nothing to prepare).
-        """
-        if not self.graphs_on:
-            return 0
-        greedy, before = temperature == 0, self.captures
-        self.done.fill_(True)
-        with self._impl():
-            for span in sorted({self._span(1), self._span(self.span_bucket + 1)}):
-                self._graph(span, greedy)
-        return self.captures - before
 
     def release(self, sessions: list) -> None:
         """Free the kept K/V of ``sessions`` (an episode ended); unknown ids are ignored."""
