@@ -173,11 +173,14 @@ def test_checkpointer_round_trips_the_intake_and_progress(cfg, coord, tmp_path):
     assert intake2.accounting() == intake.accounting()
 
 
-@pytest.mark.parametrize("state, refunds", [("generating", False), ("waiting_admission", True)])
-def test_a_starving_learner_refunds_only_when_no_worker_is_generating(cfg, coord, tmp_path, monkeypatch, state,
-                                                                      refunds):
+@pytest.mark.parametrize("state, reserved, refunded", [("generating", 4, 0), ("waiting_admission", 4, 4),
+                                                       ("starting", 0, 0)])
+def test_a_starving_learner_refunds_only_leaked_reservations(cfg, coord, tmp_path, monkeypatch, state, reserved,
+                                                            refunded):
     """A batch of long responses takes minutes: while a worker generates, its reservation is on the
-    way and must not be handed out again; when every worker waits for admission, it leaked."""
+    way and must not be handed out again. When every worker waits for admission, what is held and
+    unaccounted leaked and is given back, once. A worker still starting (compiling, loading a model)
+    holds nothing: refunding then would admit batches nobody reserved, for the whole run."""
     import streamrl.learner.intake as intake_mod
 
     monkeypatch.setattr(intake_mod, "REFUND_AFTER_S", 0.3)
@@ -186,5 +189,9 @@ def test_a_starving_learner_refunds_only_when_no_worker_is_generating(cfg, coord
     intake, _ = make_intake(cfg, coord, tmp_path)  # starves (stops the run) after 3 s
     intake.open(0, replay=False)
     intake.start(version=0)
+    coord.r.set(coord.keys.version, 0)  # version 0 is out (the learner publishes it before it waits)
+    for _ in range(reserved // 2):  # batches of 2 groups the workers reserved (and, waiting, lost)
+        assert coord.try_reserve(2, max_staleness=1, groups_per_step=STEP)
     assert intake.next_batch(version=0) is None and coord.stop_reason() == "starved"
-    assert (intake.admission.refunded["starving"] > 0) == refunds
+    assert intake.admission.refunded["starving"] == refunded
+    assert coord.held_groups() == reserved - refunded

@@ -332,6 +332,11 @@ class Coordinator:
         """``key := max(key, value)`` atomically (e.g. a worker's incarnation after a Redis restart)."""
         self._max_set(keys=[key], args=[int(value)])
 
+    def held_groups(self) -> int:
+        """Reservations not given back: ``reserved - refunded`` (trained, buffered, in flight or leaked)."""
+        reserved, refunded = self.r.mget([self.keys.reserved, self.keys.refunded])
+        return int(reserved or 0) - int(refunded or 0)
+
     def refund(self, groups: int) -> None:
         """Give back reservations whose groups will never be trained (dropped, abandoned)."""
         if groups > 0:

@@ -39,7 +39,7 @@ from streamrl.trajectory import concat_trajectories, split_id, split_trajectorie
 log = logging.getLogger(__name__)
 # If no complete batch arrives for this long while no live worker is generating, reservations
 # leaked (a worker died holding some and came back before its heartbeat expired): give the
-# shortfall back so live workers can fill it. While a worker generates, its batch is on the way:
+# shortfall back, up to what is held and unaccounted, so live workers can fill it. While a worker generates, its batch is on the way:
 # at real lengths one batch takes minutes, and refunding then would admit extra batches that
 # arrive too late and are dropped as stale (the first 1k-token GPU runs dropped 70 % that way).
 REFUND_AFTER_S = 5.0
@@ -106,6 +106,14 @@ class Admission:
         """One step's groups per version (skipped versions after a resume included, so a jump does
         not hand out extra capacity) plus the groups waiting in the buffer."""
         return version * self.groups_per_step + buffer.pending_groups()
+
+    def unaccounted_groups(self, version: int, buffer: StalenessBuffer) -> int:
+        """Reservations held but neither trained, buffered nor refunded: in flight, or leaked when no
+        worker is generating. The most a starving learner may give back: refunding more would admit
+        batches nobody reserved, and with ``max_staleness`` 0 each of them is generated, then dropped
+        as stale, for the rest of the run (a worker whose start took 20 s without a heartbeat had its
+        learner refund 3 steps' groups; half its samples were dropped)."""
+        return max(0, self.coord.held_groups() - self.accounted_groups(version, buffer))
 
     def refund(self, groups: int, why: str) -> None:
         """Give back ``groups`` reservations (``why``: stale, worker_left, starving)."""
@@ -184,12 +192,13 @@ class Intake:
                 return None
             if now - last_refund > REFUND_AFTER_S:
                 last_refund = now
-                busy = self.control.generating()
-                if not busy:
-                    short = self.groups_per_step - self.buffer.complete_groups()
-                    log.warning("waited %.0f s for data and no worker is generating; refunding %d group "
-                                "reservations", now - t0, short)
-                    self.admission.refund(short, "starving")
+                if not self.control.generating():
+                    short = min(self.groups_per_step - self.buffer.complete_groups(),
+                                self.admission.unaccounted_groups(version, self.buffer))
+                    if short > 0:
+                        log.warning("waited %.0f s for data and no worker is generating; refunding %d group "
+                                    "reservations", now - t0, short)
+                        self.admission.refund(short, "starving")
             self.receive(POLL_S)
 
     def receive(self, timeout_s: float) -> int:
