@@ -3,6 +3,8 @@ a real journal on disk. Dedup, staleness drops with refunds, journal replay afte
 rebase, the learner gate, acknowledgements, and a Checkpointer round trip."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -171,6 +173,32 @@ def test_checkpointer_round_trips_the_intake_and_progress(cfg, coord, tmp_path):
     assert intake2.ledger.trained_ids == intake.ledger.trained_ids and torch.equal(
         intake2.seen.state_dict()["ids"], intake.seen.state_dict()["ids"])
     assert intake2.accounting() == intake.accounting()
+
+
+@pytest.mark.parametrize("state, reserved, refunded", [("generating", 2, 2), ("backpressure", 2, 2),
+                                                       ("waiting_admission", 2, 0), ("generating", 0, 0)])
+def test_a_departed_worker_refunds_the_batch_it_held_and_never_more(cfg, coord, tmp_path, state, reserved, refunded):
+    """A worker whose heartbeat expires while it holds a batch (decoding it, or blocked sending it)
+    gets that batch refunded at once; one that was waiting for admission held nothing, and a refund
+    is never larger than what is reserved and unaccounted."""
+    intake, _ = make_intake(cfg, coord, tmp_path)
+    intake.open(0, replay=False)
+    intake.start(version=0)
+    coord.r.set(coord.keys.version, 0)  # version 0 is out (the learner publishes it before it waits)
+    if reserved:
+        assert coord.try_reserve(reserved, max_staleness=1, groups_per_step=STEP)
+    coord.heartbeat(1, {"pid": 0, "state": "waiting_admission"})  # a live worker that stays
+    coord.heartbeat(0, {"pid": 0, "state": state}, ttl_s=0.3)
+    accounted = intake.admission.accounted_groups(0, intake.buffer)
+    intake.control.tick(0, accounted, force=True)
+    assert intake.control.alive() == {0, 1}
+    deadline = time.monotonic() + 10
+    while coord.workers()[0] is not None:  # its heartbeat runs out
+        assert time.monotonic() < deadline
+    intake.control.tick(0, accounted, force=True)
+    assert intake.control.alive() == {1} and intake.ledger.workers_left == 1
+    assert intake.admission.refunded["worker_left"] == refunded
+    assert coord.held_groups() == reserved - refunded
 
 
 @pytest.mark.parametrize("state, reserved, refunded", [("generating", 4, 0), ("waiting_admission", 4, 4),

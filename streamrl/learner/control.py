@@ -8,7 +8,9 @@ as soon as it sees the state is gone; workers meanwhile retry with bounded backo
 
 Why watch heartbeats: a worker that dies holds admission-control reservations for groups it
 will never send. When its heartbeat TTL runs out the learner logs it, counts it, and refunds
-one batch worth of groups right away instead of waiting for the starvation timer.
+one batch worth of groups right away instead of waiting for the starvation timer, if its last
+heartbeat said it held a batch, and never more than the reservations held and unaccounted
+(a refund of groups nobody reserved admits extra batches for the rest of the run).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from streamrl.coord.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 CHECK_S = 1.0
+# Heartbeat states of a worker that holds a reservation: decoding its batch, or blocked sending it.
+HOLDING_STATES = ("generating", "backpressure")
 
 
 class ControlPlane:
@@ -40,6 +44,7 @@ class ControlPlane:
         self.version = -1
         self.accounted_groups = 0
         self._alive: set[int] = set()
+        self._states: dict[int, str | None] = {}  # last heartbeat state seen per live worker
         self._incarnations: dict[int, int] = {}
         self._next = 0.0
         self._sentinel = coord.keys._k("learner", "sentinel")  # present while Redis holds our state
@@ -73,6 +78,7 @@ class ControlPlane:
                         "endpoint, version v%s and capacity (%d groups accounted)",
                         c.last_published[0] if c.last_published else "-", accounted_groups)
             self.assert_state(version, accounted_groups)
+        self.accounted_groups = accounted_groups
         now = time.monotonic()
         if not force and now < self._next:
             return
@@ -82,6 +88,8 @@ class ControlPlane:
     def _watch_workers(self) -> None:
         workers = self.coord.workers()
         for w, hb in workers.items():
+            if hb is not None:
+                self._states[w] = hb.get("state")
             if hb is not None and w not in self._alive:
                 self._alive.add(w)
                 if w not in self.ledger.known_workers:
@@ -93,9 +101,12 @@ class ControlPlane:
             elif hb is None and w in self._alive:
                 self._alive.discard(w)
                 self.ledger.workers_left += 1
+                held = self._states.pop(w, None) in HOLDING_STATES
+                groups = min(self.admission.groups_per_batch,
+                             self.admission.unaccounted_groups(self.accounted_groups)) if held else 0
                 log.warning("worker %d left: no heartbeat within its TTL; no longer waiting on it, "
-                            "refunding %d group reservation(s)", w, self.admission.groups_per_batch)
-                self.admission.refund(self.admission.groups_per_batch, "worker_left")
+                            "refunding %d group reservation(s)", w, groups)
+                self.admission.refund(groups, "worker_left")
 
     def generating(self) -> list[int]:
         """Live workers whose heartbeat says they are filling a reservation (a batch under way)."""

@@ -107,13 +107,13 @@ class Admission:
         not hand out extra capacity) plus the groups waiting in the buffer."""
         return version * self.groups_per_step + buffer.pending_groups()
 
-    def unaccounted_groups(self, version: int, buffer: StalenessBuffer) -> int:
-        """Reservations held but neither trained, buffered nor refunded: in flight, or leaked when no
-        worker is generating. The most a starving learner may give back: refunding more would admit
-        batches nobody reserved, and with ``max_staleness`` 0 each of them is generated, then dropped
-        as stale, for the rest of the run (a worker whose start took 20 s without a heartbeat had its
-        learner refund 3 steps' groups; half its samples were dropped)."""
-        return max(0, self.coord.held_groups() - self.accounted_groups(version, buffer))
+    def unaccounted_groups(self, accounted_groups: int) -> int:
+        """Reservations held but neither trained, buffered (``accounted_groups``) nor refunded: in
+        flight, or leaked when no worker is generating. The most any refund may give back: refunding
+        more admits batches nobody reserved, and with ``max_staleness`` 0 each of them is generated,
+        then dropped as stale, for the rest of the run (a worker whose start took 20 s without a
+        heartbeat had its learner refund 3 steps' groups; half of its samples were dropped)."""
+        return max(0, self.coord.held_groups() - accounted_groups)
 
     def refund(self, groups: int, why: str) -> None:
         """Give back ``groups`` reservations (``why``: stale, worker_left, starving)."""
@@ -194,7 +194,8 @@ class Intake:
                 last_refund = now
                 if not self.control.generating():
                     short = min(self.groups_per_step - self.buffer.complete_groups(),
-                                self.admission.unaccounted_groups(version, self.buffer))
+                                self.admission.unaccounted_groups(
+                                    self.admission.accounted_groups(version, self.buffer)))
                     if short > 0:
                         log.warning("waited %.0f s for data and no worker is generating; refunding %d group "
                                     "reservations", now - t0, short)
