@@ -87,9 +87,10 @@ class FastHFEngine:
             ``max_position_embeddings``, capped at 4096).
         top_k / top_p: truncation of the sampling distribution (0 / 1.0 = off).
         cuda_graphs: capture the decode step (default: on for CUDA devices).
-        compile: run the decode step through ``torch.compile`` (inductor fuses the ~1,000 small
-            kernels of a step: norms, rotary, router, sampling) before capturing it (default: on
-            with graphs; falls back to the plain step if compilation fails).
+        compile: run the decode step's decoder layers (one compiled graph for all of them) and its
+            tail (head, sampling, bookkeeping) through ``torch.compile`` before capturing it: inductor
+            fuses their small kernels (norms, rotary, router, sampling) (default: on with graphs;
+            falls back to the plain step if compilation fails).
         span_bucket: with CUDA graphs, the attended cache span is rounded up to a multiple of this
             (one graph each; not with ``decode_attention="flex"``); eager steps attend exactly the written positions.
         sync_every: decode steps between reads of the ``done`` flags (refill granularity).
@@ -164,8 +165,11 @@ class FastHFEngine:
         self.span_bucket, self.sync_every = span_bucket, sync_every
         self.graphs_on = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.compile = self.graphs_on if compile is None else compile
-        self._decode_fn = self._decode
-        self._compiled = False  # whether _decode_fn is the torch.compile'd step
+        # torch.compile'd pieces of the decode step (_compile_decode): the decoder layer, one graph for
+        # every layer, and the step's tail; the embedding and the mask between them run as they are
+        self._compiled = False
+        self._compiled_layers: list = []
+        self._finish_fn = self._finish
         self._params = dict(model.named_parameters())
         dtype = next(model.parameters()).dtype
         if experts_implementation == "auto":
@@ -207,19 +211,20 @@ class FastHFEngine:
         if self.routers:
             k = self.routers[0].top_k
             self.route_hist = torch.zeros(b, s, len(self.routers), k, dtype=torch.int16, device=dev)
-        self._hooks = [r.register_forward_hook(self._route_hook(i)) for i, r in enumerate(self.routers)]
+        # one hook for every router (a per-layer closure would make a compiled layer one graph per layer)
+        self._hooks = [r.register_forward_hook(self._record_route) for r in self.routers]
         self._route_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, positions) of the tokens
+        self._route_dst: torch.Tensor | None = None  # route_hist[:, :, layer] of the layer running
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.captures = 0
         self._pool = None
 
     # ----------------------------------------------------------------------------- internals
-    def _route_hook(self, layer: int):
-        def hook(module, args, output):
-            if self._route_at is not None:
-                rows, positions = self._route_at
-                self.route_hist[rows, positions, layer] = output[2].to(torch.int16)
-        return hook
+    def _record_route(self, module, args, output) -> None:
+        """Router forward hook: the top-k ids ``output[2]`` into the running layer's routing buffer."""
+        if self._route_at is not None:
+            rows, positions = self._route_at
+            self._route_dst[rows, positions] = output[2].to(torch.int16)
 
     @contextlib.contextmanager
     def _impl(self):
@@ -237,8 +242,15 @@ class FastHFEngine:
                 cfg._experts_implementation = old_exp
 
     def _layers(self, x, mask, pos_ids):
+        """The decoder layers; a decode step of a compiled engine runs the compiled layer. Each layer's
+        K/V and routing buffers are handed over here, outside the layer, so the compiled layer never
+        reads its own index and one graph serves them all (dynamo would specialise on the index)."""
         cos_sin = self.rotary(x, pos_ids)
-        for layer in self.layers:
+        compiled = self._compiled and not self.cache.prefill
+        for i, layer in enumerate(self._compiled_layers if compiled else self.layers):
+            self.cache.at_layer(i)
+            if self.route_hist is not None:
+                self._route_dst = self.route_hist[:, :, i]
             x = layer(x, attention_mask=mask, position_ids=pos_ids, past_key_values=self.cache,
                       position_embeddings=cos_sin, use_cache=True)
             x = x[0] if isinstance(x, tuple) else x
@@ -350,9 +362,15 @@ class FastHFEngine:
             mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
         x = self._layers(x, mask, pos_ids)
         self._route_at = None
-        logits = self.lm_head(self.norm(x[:, -1])).float()
+        self._finish_fn(x[:, -1], greedy, None if full else rows)
+
+    def _finish(self, hidden: torch.Tensor, greedy: bool, rows: torch.Tensor | None) -> None:
+        """The decode step's tail: head, draw and bookkeeping of every slot (``rows`` None) or of the live
+        ``rows [n]``; ``hidden [B|n, H]`` is the last layer's output."""
+        logits = self.lm_head(self.norm(hidden)).float()
         tok, lp = sample_tokens(logits, None if greedy else self.temp, self.top_k, self.top_p, self.noise)
-        if full:
+        if rows is None:
+            rows = self.rows
             active = ~self.done
             col = torch.where(active, self.gen, self.max_len)
             self.out_tok[rows, col] = tok
@@ -367,7 +385,7 @@ class FastHFEngine:
             self.out_tok[rows, col] = tok
             self.out_lp[rows, col] = lp
             self.gen[rows] = col + 1
-            self.pos[rows] = pos + 1
+            self.pos[rows] = self.pos[rows] + 1
             self.tok[rows] = tok
             self.done[rows] = (tok == self.eos_id) | (col + 1 >= self.max_new[rows])
 
@@ -394,7 +412,7 @@ class FastHFEngine:
             # A compiled step keeps the fixed batch shape; a plain eager one runs only the live rows.
             rows = None if self._compiled or self.flex_decode else self._live_rows()
             if rows is None:
-                self._decode_fn(span, greedy)
+                self._decode(span, greedy)
             elif rows.numel():
                 self._decode(span, greedy, rows)
             return
@@ -404,8 +422,14 @@ class FastHFEngine:
         self.graphs[key].replay()
 
     def _compile_decode(self) -> None:
-        """Run the decode step through ``torch.compile`` from now on.
+        """Run the decode step's decoder layers and its tail (:meth:`_finish`) through ``torch.compile``
+        from now on (prefills stay eager: their shapes vary).
 
+        The layers, not the whole step: identical layers share one compiled graph (:meth:`_layers`
+        hands each its buffers), so dynamo traces one layer instead of all of them. Traced whole,
+        the 24-layer MoE step of ``gpu-long.yaml`` spent 6.1-8.8 s of a 8.4-11.9 s first call in
+        dynamo's bytecode tracing on the H200 with a warm inductor cache (2,158 ops captured); that
+        first call is in the first batch, which the learner waits for.
         ``dynamic=None`` (automatic dynamic shapes): the first graph is specialised to the first
         span; the first step with another span recompiles once with the span symbolic, and every
         later span reuses that graph. With ``dynamic=False`` each span bucket was a compile of its
@@ -413,7 +437,12 @@ class FastHFEngine:
         first 1k-token batch (``gpu-long.yaml``).
         """
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-        self._decode_fn, self._compiled = torch.compile(self._decode, dynamic=None), True
+        self._compiled_layers = [torch.compile(layer, dynamic=None) for layer in self.layers]
+        self._finish_fn, self._compiled = torch.compile(self._finish, dynamic=None), True
+
+    def _plain_decode(self) -> None:
+        """Back to the uncompiled step (a compilation failed)."""
+        self._compiled_layers, self._finish_fn, self._compiled, self.compile = [], self._finish, False, False
 
     def _capture(self, span: int, greedy: bool) -> torch.cuda.CUDAGraph:
         """Warm up on a side stream (state saved and restored), then capture one decode step."""
@@ -425,16 +454,16 @@ class FastHFEngine:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             try:
-                self._decode_fn(span, greedy)
+                self._decode(span, greedy)
             except Exception as e:  # noqa: BLE001 - compilation is an optimisation only
                 if not self._compiled:
                     raise
                 warnings.warn(f"FastHFEngine: torch.compile of the decode step failed ({e!r}); using the plain step")
-                self._decode_fn, self._compiled, self.compile = self._decode, False, False
+                self._plain_decode()
                 for t, v in zip(state, saved):
                     t.copy_(v)
-                self._decode_fn(span, greedy)
-            self._decode_fn(span, greedy)
+                self._decode(span, greedy)
+            self._decode(span, greedy)
         torch.cuda.current_stream().wait_stream(side)
         for t, v in zip(state, saved):
             t.copy_(v)
@@ -442,7 +471,7 @@ class FastHFEngine:
         # One pool for all graphs: no graph output outlives its replay (all writes go to the
         # persistent buffers above), so the graphs can share intermediates in any order.
         with torch.cuda.graph(graph, pool=self._pool):
-            self._decode_fn(span, greedy)
+            self._decode(span, greedy)
         self._pool = graph.pool()
         self.captures += 1
         return graph

@@ -218,6 +218,10 @@ class PagedKVCache:
             self._in_last_block = last_block_mask_mod(pos, self.block_size)
         return decode_block_mask(self.table, pos, self.block_size, self.num_blocks, self._in_last_block)
 
+    def at_layer(self, layer: int) -> None:
+        """Select the layer whose pool the next :meth:`update` writes (see ``StaticKVCache.at_layer``)."""
+        self.layer_k, self.layer_v = self.k[layer], self.v[layer]
+
     def update(self, key, value, layer_idx, *args, **kwargs):
         """Write the new K/V and return what attention reads.
 
@@ -226,7 +230,7 @@ class PagedKVCache:
         of slots ``rows`` (all ``B`` or an eager step's live rows) at ``pos``; returns ``[n, Hkv, span,
         D]`` gathered through the table.
         """
-        k, v = self.k[layer_idx], self.v[layer_idx]
+        k, v = self.layer_k, self.layer_v  # the layer at_layer selected
         bs = self.block_size
         if self.prefill and self.start is not None:  # kept sessions: new positions after the reused ones
             at = (self.start[:, None] + torch.arange(key.shape[2], device=key.device)).clamp_(max=self.max_span - 1)

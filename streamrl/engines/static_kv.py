@@ -140,8 +140,13 @@ class StaticKVCache:
                                         BLOCK_SIZE=FLEX_BLOCK, mask_mod=self._upto_pos,
                                         seq_lengths=(1, self.max_span), compute_q_blocks=False)
 
+    def at_layer(self, layer: int) -> None:
+        """Select the layer whose K/V the next :meth:`update` writes. The engine calls it before each
+        layer, so a compiled layer never reads its own index and one graph serves every layer."""
+        self.layer_k, self.layer_v = self.k[layer], self.v[layer]
+
     def update(self, key, value, layer_idx, *args, **kwargs):
-        k, v = self.k[layer_idx], self.v[layer_idx]
+        k, v = self.layer_k, self.layer_v  # the layer at_layer selected (layer_idx is that layer's)
         if self.prefill and self.start is not None:
             at = (self.start[:, None] + torch.arange(key.shape[2], device=key.device)).clamp_(max=k.shape[2] - 1)
             k[self.rows[:, None], :, at] = key.transpose(1, 2)  # [n, P, Hkv, D] at (row, position)
