@@ -17,7 +17,9 @@ with its own loop:
   pool's size is a budget (a sequence that finds it empty is preempted and recomputed later).
 * **Fixed-shape decode step** over all ``B`` slots (idle/finished slots compute and are
   ignored), captured in a CUDA graph: once per attended-span bucket with sdpa, once in all with
-  FlexAttention (``decode_attention``, the CUDA default: each row reads its own blocks). The graph reads the
+  FlexAttention (``decode_attention``, the CUDA default: each row reads its own blocks). Before capture the
+  decoder layer is compiled once for all layers (and the step's tail once): the cache hands each layer its
+  buffers, so no graph depends on a layer's index. The graph reads the
   parameters by address, so :meth:`load_weights` copies into the same storage and the next
   replay uses the new weights without a re-capture.
 * **Continuous refill**: every ``sync_every`` steps the host reads the ``done`` flags (the only
