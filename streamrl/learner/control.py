@@ -34,7 +34,7 @@ class ControlPlane:
         endpoint: the trajectory endpoint workers connect to.
         ledger: the run's :class:`~streamrl.learner.accounting.Ledger` (worker join/leave counts).
         admission: the learner's :class:`~streamrl.learner.intake.Admission`; a worker whose
-            heartbeat expires gets one batch of groups (what it held open) refunded through it.
+            heartbeat expires while it held a batch gets it refunded through it.
     """
 
     def __init__(self, coord: Coordinator, config: dict, endpoint: str, ledger, admission):

@@ -39,9 +39,10 @@ from streamrl.trajectory import concat_trajectories, split_id, split_trajectorie
 log = logging.getLogger(__name__)
 # If no complete batch arrives for this long while no live worker is generating, reservations
 # leaked (a worker died holding some and came back before its heartbeat expired): give the
-# shortfall back, up to what is held and unaccounted, so live workers can fill it. While a worker generates, its batch is on the way:
-# at real lengths one batch takes minutes, and refunding then would admit extra batches that
-# arrive too late and are dropped as stale (the first 1k-token GPU runs dropped 70 % that way).
+# shortfall back, up to what is held and unaccounted, so live workers can fill it. While a worker
+# generates, its batch is on the way: at real lengths one batch takes minutes, and refunding then
+# would admit extra batches that arrive too late and are dropped as stale (the first 1k-token GPU
+# runs dropped 70 % that way).
 REFUND_AFTER_S = 5.0
 POLL_S = 0.2
 # Ids remembered for duplicate drops. A resend is at most a worker's retention bound old
