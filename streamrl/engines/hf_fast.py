@@ -429,9 +429,10 @@ class FastHFEngine:
 
         The layers, not the whole step: identical layers share one compiled graph (:meth:`_layers`
         hands each its buffers), so dynamo traces one layer instead of all of them. Traced whole,
-        the 24-layer MoE step of ``gpu-long.yaml`` spent 6.1-8.8 s of a 8.4-11.9 s first call in
+        the 24-layer MoE step of ``gpu-long.yaml`` spent 6.1-8.8 s of an 8.4-11.9 s first call in
         dynamo's bytecode tracing on the H200 with a warm inductor cache (2,158 ops captured); that
-        first call is in the first batch, which the learner waits for.
+        first call is in the first batch, which the learner waits for. Per layer the first call
+        takes 5.1 s (21.7 s cold, was 39.9 s), decode speed unchanged (``tools/gpu/decode_first_call.py``).
         ``dynamic=None`` (automatic dynamic shapes): the first graph is specialised to the first
         span; the first step with another span recompiles once with the span symbolic, and every
         later span reuses that graph. With ``dynamic=False`` each span bucket was a compile of its
