@@ -373,6 +373,10 @@ class LearnerConfig:
     compile: bool = False
     """torch.compile each decoder layer, the final norm and the log-prob head's chunk kernels (1.37x learner-step
     tokens/s on an H200 before the head was compiled; slow to warm up on CPU)."""
+    warm_up: bool = True
+    """On CUDA or with ``compile``: before the first batch, one forward/backward of a synthetic batch of the
+    configured shape (no optimizer step), so the first step's compiles and allocations overlap the workers'
+    first rollouts (:mod:`streamrl.learner.warmup`). Eager CPU learners have nothing to warm up and skip it."""
     value_coef: float = 0.5
     """loss = vtrace: weight of the critic's value loss in the total loss."""
     gamma: float = 1.0

@@ -57,6 +57,17 @@ def test_steady_state_leaves_out_the_start_up(tmp_path):
     assert res["async"]["first_step_done_s"] == 10.0  # the start-up the whole-run figures carry
 
 
+def test_learner_warm_up_counts_as_busy(tmp_path):
+    """The learner's warm-up (compiles before the first batch, ``learner/warmup_s``) is work:
+    the whole-run idle share counts it with the steps, not with the waits."""
+    args = argparse.Namespace(target=None, staleness=4, learners=1, rollers=1, steps=4, config="c.yaml")
+    sync, run = _run("sync", 8, 0.5), _run("async", 16, 0.5)
+    run["records"][0]["learner/warmup_s"] = 6.0  # 4 x 0.5 s idle against 4 x 0.5 s steps + 6 s warm-up
+    res = summarize(args, [(sync, run)], tmp_path / "p.png")
+    assert res["async"]["learner_idle_pct"] == pytest.approx(100 * 2 / 10)
+    assert res["sync"]["learner_idle_pct"] == pytest.approx(50)
+
+
 @pytest.mark.parametrize("batch, per_step, rollers, want", [
     (8, 8, 1, 8), (4, 8, 2, 4), (32, 8, 1, 8), (32, 8, 2, 4), (32, 6, 4, 6), (3, 8, 1, 8)])
 def test_sync_run_generates_one_step_at_a_time(batch, per_step, rollers, want):

@@ -95,7 +95,8 @@ def figures(run: dict, target: float) -> dict:
     samples = recs[-1]["learner/samples"]
     trained_tokens = sum(r["learner/trained_tokens"] for r in recs)
     idle = sum(r["learner/idle_s"] for r in recs)
-    busy = sum(r["learner/step_s"] for r in recs)
+    # the learner's warm-up (streamrl.learner.warmup) is work done before the first batch: busy
+    busy = sum(r["learner/step_s"] + r.get("learner/warmup_s", 0.0) for r in recs)
     sm = smoothed_rewards(recs)
     hit = next((i for i, v in enumerate(sm) if v >= target), None)
     received_tokens = s["transport"].get("transport/response_tokens", None)

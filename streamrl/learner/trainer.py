@@ -240,6 +240,32 @@ class Trainer:
             metrics["moe/router_frozen"] = float(self.router.frozen)
         return metrics
 
+    def warm_up(self, batch: TensorDict) -> None:
+        """Run :meth:`step`'s forward and backward over ``batch`` once and drop the gradients
+        (:mod:`streamrl.learner.warmup`): the policy head (with entropy where a step computes it),
+        the value head of a critic, routed-expert replay; same micro-batches on every rank.
+
+        No loss terms, no optimizer step, no router freeze/EMA update, no step counted: the
+        weights and the optimizer state are as before, and so is every later step.
+        """
+        grid = self._response_grid(batch)
+        micro, _ = self._microbatches(batch, list(range(num_trajectories(batch))))
+        train_entropy = self.cfg.learner.entropy_coef > 0
+        self.model.train()
+        self.optim.zero_grad(set_to_none=True)
+        for i, m in enumerate(micro):
+            logp, ent, values, _ = self._run(self.model, m, grid.width, entropy=self._computes_entropy(), values=True)
+            loss = logp.sum() + (ent.sum() if train_entropy else 0.0) + (values.sum() if values is not None else 0.0)
+            (loss * (0.0 if m.dummy else 1.0)).backward()
+            micro.prefetch(i + 1)
+        self.optim.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _computes_entropy(self) -> bool:
+        """A step computes the token entropy: it trains it (``entropy_coef``) or reports it (small vocabularies)."""
+        return self.cfg.learner.entropy_coef > 0 or self.vocab_size <= 4096
+
     def _no_signal(self, adv: torch.Tensor) -> bool:
         """True when ``learner.skip_no_signal`` applies and every advantage is exactly 0
         (``adv``: [N] or [N, R]). The V-trace critic and a KL penalty train without it."""
@@ -418,7 +444,7 @@ class Trainer:
         n_seq = float(len(mb)) / self.world
         norm_len = float(self.cfg.rollout.max_new_tokens)
         total_w = max(sum(weights), 1.0)
-        want_ent = lc.entropy_coef > 0 or self.vocab_size <= 4096
+        want_ent = self._computes_entropy()
         crit_pre = self._critic_prepass(grid, micro, width, prox) if self.critic and len(micro) > 1 else None
         if optimizer_step:
             self.optim.zero_grad(set_to_none=True)

@@ -178,7 +178,7 @@ def summary_text(run_dir: Path, rows: list[dict], summary: dict | None) -> str:
     tokens = sum(float(r.get("learner/trained_tokens", 0.0)) for r in rows)
     step_s = [r["learner/step_s"] for r in rows if "learner/step_s" in r]
     idle = sum(r.get("learner/idle_s", 0.0) for r in rows)
-    busy = sum(step_s)
+    busy = sum(step_s) + sum(r.get("learner/warmup_s", 0.0) for r in rows)  # streamrl.learner.warmup: busy
 
     def f(v, spec=".3g"):
         return "-" if v is None else format(v, spec)
