@@ -31,7 +31,7 @@ from streamrl.learner.core_lending import BUSY, WAITING, make_core_lender, make_
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.intake import Intake
 from streamrl.learner.trainer import Trainer
-from streamrl.learner.warmup import synthetic_batch, warm_up_pays
+from streamrl.learner.warmup import warm_up_pays
 from streamrl.metrics import RateLimitedRedisSink, run_sinks
 from streamrl.transport.receiver import TrajectoryReceiver
 from streamrl.transport.codec import Limits
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     if rank == 0:
         intake.start(run.version)
     # the workers start their first rollouts now: pay the first step's compiles meanwhile
-    warmup_s = _warm_up(trainer, cfg, log) if warm_up_pays(cfg) else 0.0
+    warmup_s = _warm_up(trainer, log) if warm_up_pays(cfg) else 0.0
     status, clean = "completed", True
     try:
         while run.step < cfg.run.steps:
@@ -128,11 +128,10 @@ def main(argv=None) -> int:
     return 0 if clean else 1
 
 
-def _warm_up(trainer: Trainer, cfg, log) -> float:
-    """:meth:`Trainer.warm_up` on a synthetic step-shaped batch; returns its seconds."""
+def _warm_up(trainer: Trainer, log) -> float:
+    """:meth:`Trainer.warm_up`, timed; returns its seconds."""
     t0 = time.perf_counter()
-    replay_layers = len(trainer.blocks) if cfg.learner.routing_replay else 0
-    trainer.warm_up(synthetic_batch(cfg, trainer.vocab_size, replay_layers, trainer.top_k, trainer.num_experts))
+    trainer.warm_up()
     took = time.perf_counter() - t0
     log.info("warm-up (first-step compiles and allocations, no update) took %.1f s", took)
     return took

@@ -39,6 +39,7 @@ from streamrl.learner.objective import compute_policy_loss, kl_term
 from streamrl.learner.packing import (LazyMicroBatches, MicroBatch, ResponseGrid, h2d_grouped, rank_microbatches,
                                      response_grid, response_positions)
 from streamrl.learner.segment_attention import SegmentLayout, use_segment_attention
+from streamrl.learner.warmup import synthetic_batch
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.models.moe import find_moe_blocks
 from streamrl.parallel.expert_parallel import full_parameter, global_param_specs, parallelize
@@ -240,14 +241,15 @@ class Trainer:
             metrics["moe/router_frozen"] = float(self.router.frozen)
         return metrics
 
-    def warm_up(self, batch: TensorDict) -> None:
-        """Run :meth:`step`'s forward and backward over ``batch`` once and drop the gradients
-        (:mod:`streamrl.learner.warmup`): the policy head (with entropy where a step computes it),
-        the value head of a critic, routed-expert replay; same micro-batches on every rank.
+    def warm_up(self) -> None:
+        """Run :meth:`step`'s forward and backward once over a synthetic step-shaped batch and drop
+        the gradients (:mod:`streamrl.learner.warmup`): the policy head (with entropy where a step
+        computes it), the value head of a critic, routed-expert replay; same batch on every rank.
 
         No loss terms, no optimizer step, no router freeze/EMA update, no step counted: the
         weights and the optimizer state are as before, and so is every later step.
         """
+        batch = synthetic_batch(self.cfg, self.vocab_size, self._replay_layers(), self.top_k, self.num_experts)
         grid = self._response_grid(batch)
         micro, _ = self._microbatches(batch, list(range(num_trajectories(batch))))
         train_entropy = self.cfg.learner.entropy_coef > 0
@@ -261,6 +263,10 @@ class Trainer:
         self.optim.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _replay_layers(self) -> int:
+        """Decoder layers whose routing a micro-batch replays (R3): all MoE layers with ``routing_replay``, else 0."""
+        return len(self.blocks) if (self.cfg.learner.routing_replay and self.blocks) else 0
 
     def _computes_entropy(self) -> bool:
         """A step computes the token entropy: it trains it (``entropy_coef``) or reports it (small vocabularies)."""
@@ -355,7 +361,7 @@ class Trainer:
         lc = self.cfg.learner
         per = math.ceil(len(mb) / self.world)
         rank_rows = [mb[min(r * per, len(mb)) : min((r + 1) * per, len(mb))] for r in range(self.world)]
-        layers = len(self.blocks) if (lc.routing_replay and self.blocks) else 0
+        layers = self._replay_layers()
         # A dense model leaves each sample's last token out of the rows (its output predicts
         # nothing); an MoE keeps it for the router losses, which count every token.
         return rank_microbatches(batch, rank_rows, self.rank, lc.max_tokens_per_microbatch, lc.shared_prompt,

@@ -39,10 +39,9 @@ t = time.perf_counter()
 tr = Trainer(cfg)
 torch.cuda.synchronize()
 out["trainer_build_s"] = time.perf_counter() - t
-batch = synthetic_batch(cfg, tr.vocab_size)
 for name in ("warm_up_s", "warm_up_again_s"):
     t = time.perf_counter()
-    tr.warm_up(batch)
+    tr.warm_up()
     out[name] = time.perf_counter() - t
 for i, cut in enumerate((37, 211)):  # real steps: responses of other lengths than the warm-up's
     short = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=cfg.rollout.max_new_tokens - cut))
