@@ -45,9 +45,50 @@ def test_block_mask_is_the_dense_mask(shared):
         for j in range(tiles.shape[1]):
             tile = dense[i * bs : (i + 1) * bs, j * bs : (j + 1) * bs]
             assert bool(tiles[i, j]) == bool(tile.any()), (i, j)
+    full = _tile_set(bm.full_kv_num_blocks, bm.full_kv_indices, tiles.shape)
+    for i, j in full.nonzero().tolist():  # a full tile is applied without the mask_mod
+        assert bool(dense[i * bs : (i + 1) * bs, j * bs : (j + 1) * bs].all()), (i, j)
     assert tiles.float().mean() < 0.6  # most of the row is skipped: many short units
     if shared:  # the sdpa path's dense mask is the same rule
         assert torch.equal(build_microbatch(view, plan[0], shared=True).attention_mask[0, 0], dense)
+
+
+def _tile_set(num_blocks: torch.Tensor, indices: torch.Tensor, shape) -> torch.Tensor:
+    """[Q, K] bool: the tiles a BlockMask table (counts [1, 1, Q], indices [1, 1, Q, K]) lists."""
+    out = torch.zeros(shape, dtype=torch.bool)
+    for q, count in enumerate(num_blocks[0, 0].tolist()):
+        out[q, indices[0, 0, q, :count].long()] = True
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_mask_tiles_match_create_block_mask(seed):
+    """The tile tables built from per-tile ranges are torch's ``create_block_mask`` tables (which
+    evaluates the rule on every pair): random groups (0-130 prompt tokens, 1-300-token samples,
+    tile edges anywhere), partial and full tiles alike."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(6):
+        seg, unit, sample = [], [], 0
+        for u in range(int(torch.randint(1, 6, (1,), generator=gen))):
+            prompt = [0, 1, 17, 64, 130][int(torch.randint(0, 5, (1,), generator=gen))]
+            seg += [-1] * prompt
+            unit += [u] * prompt
+            for _ in range(int(torch.randint(1, 5, (1,), generator=gen))):
+                n = int(torch.randint(1, 300, (1,), generator=gen))
+                seg += [sample] * n
+                unit += [u] * n
+                sample += 1
+        seg, unit = torch.tensor(seg), torch.tensor(unit)
+        n = len(seg)
+        ours = packed_block_mask(seg, unit)
+        ref = create_block_mask(ours.mask_mod, 1, None, n, n, device="cpu")
+        shape = ref.kv_indices.shape[-2:]
+        for counts, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+            assert torch.equal(_tile_set(getattr(ours, counts), getattr(ours, idx), shape),
+                               _tile_set(getattr(ref, counts), getattr(ref, idx), shape)), (counts, n)
+        assert ours.seq_lengths == ref.seq_lengths == (n, n)
 
 
 @pytest.mark.parametrize("shared", [False, True])

@@ -129,23 +129,66 @@ def use_packed_attention(model: nn.Module) -> None:
     model.set_attn_implementation(register_attention(PACKED_ATTENTION, packed_attention_forward))
 
 
-def packed_block_mask(segment_ids: torch.Tensor, unit_ids: torch.Tensor):
+def packed_block_mask(segment_ids: torch.Tensor, unit_ids: torch.Tensor, block_size: int = 128):
     """The ``BlockMask`` of one packed row (see the module docstring for the rule).
+
+    Built from per-tile summaries, not by evaluating the rule on all ``N^2`` pairs as torch's
+    ``create_block_mask`` does: a packed row's samples and units are contiguous runs of tokens,
+    so each ``block_size`` tile is described by its position range, unit range, segment range and
+    whether it holds prompt tokens, and a ``[N/128, N/128]`` comparison of those ranges says which
+    tiles can hold a visible pair (computed) and which are all-visible (no mask applied). Why not
+    ``create_block_mask``: eager it materializes the dense mask (11 s for a 33k-token row on 2 CPU
+    cores), and compiled it costs a dynamo trace per process and another at the first row of a
+    new length, which the learner's first step pays (``tools/gpu/warmup_time.py``). The
+    range test is exact for contiguous runs, which packing makes (``tests/test_flex_attention.py``
+    compares every tile with the dense mask); for any other layout it can only mark more tiles
+    computed, never fewer, and the ``mask_mod`` keeps the result exact.
 
     Args:
         segment_ids: [N] int64, the sample each token belongs to, -1 on a unit's shared prompt.
         unit_ids: [N] int64, the unit (sequence, or group sharing a prompt) of each token.
     Returns:
-        a ``BlockMask`` of shape [1, 1, N, N] on the ids' device (built compiled on CUDA).
+        a ``BlockMask`` of shape [1, 1, N, N] on the ids' device.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
     n = int(segment_ids.shape[0])
+    tiles = -(-n // block_size)
+    pad = tiles * block_size - n
+    big = torch.iinfo(torch.int64).max
+    valid = torch.arange(tiles * block_size, device=segment_ids.device).view(tiles, block_size) < n
+    seg = nn.functional.pad(segment_ids, (0, pad)).view(tiles, block_size)
+    unit = nn.functional.pad(unit_ids, (0, pad)).view(tiles, block_size)
+    prompt, resp = valid & (seg < 0), valid & (seg >= 0)
+    has_prompt, has_resp, complete = prompt.any(1), resp.any(1), valid.all(1)
+    unit_lo, unit_hi = unit.masked_fill(~valid, big).amin(1), unit.masked_fill(~valid, -big).amax(1)
+    seg_lo, seg_hi = seg.masked_fill(~resp, big).amin(1), seg.masked_fill(~resp, -big).amax(1)
+    # [q tile, k tile] pairs; k <= q tile-wise: some pair causal (k tile not after q tile), every pair causal
+    # (k tile strictly before q tile)
+    idx = torch.arange(tiles, device=segment_ids.device)
+    some_causal, all_causal = idx[None, :] <= idx[:, None], idx[None, :] < idx[:, None]
+    some_unit = (unit_lo[None, :] <= unit_hi[:, None]) & (unit_lo[:, None] <= unit_hi[None, :])
+    some_segment = (has_resp[:, None] & has_resp[None, :] & (seg_lo[None, :] <= seg_hi[:, None])
+                    & (seg_lo[:, None] <= seg_hi[None, :]))
+    computed = some_causal & some_unit & (has_prompt[None, :] | some_segment)
+    one_unit = complete & (unit_lo == unit_hi)
+    one_segment = seg_lo == seg_hi  # the tile's response tokens (at least one) are one sample's
+    # a full pair: one unit on both sides, and the keys are prompt tokens, or prompt tokens and the
+    # response tokens of the queries' one sample (no query on the prompt, which sees no response)
+    full = (all_causal & one_unit[:, None] & one_unit[None, :] & (unit_lo[:, None] == unit_lo[None, :])
+            & (~has_resp[None, :] | ((~has_prompt & one_segment)[:, None] & one_segment[None, :]
+                                     & (seg_lo[:, None] == seg_lo[None, :]))))
+    partial = computed & ~full
+
+    def table(tiles_of: torch.Tensor):  # [Q, K] bool -> ([1, 1, Q] counts, [1, 1, Q, K] indices, listed first)
+        order = torch.argsort(tiles_of.to(torch.int8), dim=-1, descending=True, stable=True)
+        return tiles_of.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
 
     def visible(b, h, q, k):
         return (k <= q) & (unit_ids[q] == unit_ids[k]) & ((segment_ids[k] < 0) | (segment_ids[q] == segment_ids[k]))
 
-    return create_block_mask(visible, 1, None, n, n, device=segment_ids.device, _compile=segment_ids.is_cuda)
+    return BlockMask.from_kv_blocks(*table(partial), *table(full), BLOCK_SIZE=block_size, mask_mod=visible,
+                                    seq_lengths=(n, n))
 
 
 def dense_packed_mask(segment_ids: torch.Tensor, unit_ids: torch.Tensor) -> torch.Tensor:
