@@ -6,7 +6,7 @@
 # launch compiles the decode step, later ones reuse the inductor cache (TORCHINDUCTOR_CACHE_DIR).
 # CONFIG=configs/gpu-moe.yaml STEPS=30 REPEATS=1 gives the issue-9 figure. ROLLERS (1): rollout
 # workers, all on cuda:0; TAG names the $OUT subfolder; extra arguments are config overrides.
-# The README's figures (session 14): one 60-step pair per call (~430 s cold, ~350 s warm), three
+# The README's figures (session 15): one 60-step pair per call (~430 s cold, ~350 s warm), three
 # calls back to back so the machine stays warm, then, here:
 #   TAG=e1 STEPS=60 REPEATS=1 E2E_TIMEOUT=560 bash tools/gpu/e2e.sh      (then TAG=e2, TAG=e3)
 #   streamrl-bench e2e --merge e1/result.json e2/result.json e3/result.json --out runs/e2e-merged
