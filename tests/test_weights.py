@@ -355,6 +355,37 @@ def test_reader_cache_drops_unlinked_files(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
+def test_cuda_copies_in_flight_survive_source_reuse(redis_url, run_id):
+    """The store copies are asynchronous (one wait per bucket): every tensor is produced in
+    one GPU scratch buffer that the next tensor overwrites at once, as a gather's freed memory
+    is reused, and each version still lands bit-exact (the overwrite queues behind the copy)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=1 << 20, keep=1)
+    sub = WeightSubscriber(coord, plane="shm")
+    scratch = torch.empty(1 << 22, dtype=torch.uint8, device="cuda")
+
+    def through_scratch(tensors):
+        big = torch.randn(1 << 20, device="cuda")  # queued work ahead of every copy
+        for t in tensors:
+            big.mul_(1.0001)
+            view = scratch[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t.cuda())
+            yield view
+    try:
+        for v in range(3):
+            tensors = make_tensors(70 + v)
+            pub.publish(v, SPECS, through_scratch(tensors))
+            assert pub.store.files[v].pinned
+            check_equal(sub.fetch(v), tensors)
+    finally:
+        sub.close()
+        pub.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
 def test_cuda_tensors_dma_into_pinned_store(redis_url, run_id):
     """GPU learner tensors go straight into the page-locked store with a GPU checksum (a
     66-byte bf16 tensor takes the bounce path); a CUDA subscriber loads them bit-exact, and

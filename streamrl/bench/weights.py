@@ -263,6 +263,7 @@ def run_plane(plane: str, sizes_mb: list[int], subs: list[int], args, redis_url:
                     row = {
                         "plane": plane, "size_mb": size, "subscribers": n, "e2e_s": e2e,
                         "gbps": nbytes / e2e / 1e9,
+                        "publish_s": pt["weights/publish_s"],  # what the learner waits for
                         "gather_s": pt["weights/gather_s"], "write_s": pt["weights/write_s"],
                         "transfer_s": max(s.get("weights/transfer_s", 0) for s in st),
                         "verify_s": max(s.get("weights/verify_s", 0) for s in st),
@@ -303,7 +304,7 @@ def _mem_estimate(plane: str, nbytes: int, n: int) -> int:
 def _print_row(r: dict) -> None:
     extra = f" raw_zmq {r['raw_zmq_gbps']:.2f} GB/s ratio {r['ratio_vs_raw_zmq']:.2f}" if "raw_zmq_gbps" in r else ""
     print(f"{r['plane']:>4} {r['size_mb']:>6} MB x{r['subscribers']}: {r['e2e_s']:.3f} s {r['gbps']:.2f} GB/s | "
-          f"gather {r['gather_s']:.3f} write {r['write_s']:.3f} transfer {r['transfer_s']:.3f} "
+          f"publish {r['publish_s']:.3f} (gather {r['gather_s']:.3f} write {r['write_s']:.3f}) transfer {r['transfer_s']:.3f} "
           f"verify {r['verify_s']:.3f} load {r['load_s']:.3f} | peak +{r['peak_extra_mb']:.0f} MB | "
           f"memcpy {r['memcpy_gbps']:.2f} GB/s ratio {r['ratio_vs_memcpy']:.2f}{extra}", flush=True)
 

@@ -9,7 +9,8 @@ the version becomes *current* only when every bucket is in. Extra learner memory
 full tensor from the gather (plus, for GPU tensors the store cannot take by DMA, one
 bucket-sized pinned bounce buffer; or one bucket on the GPU for the collective plane):
 never a second model copy. GPU tensors are copied straight into the page-locked store
-(:mod:`streamrl.weights.pinning`) and checksummed on the GPU: no host pass over the bytes.
+(:mod:`streamrl.weights.pinning`), asynchronously with one wait per bucket, and checksummed
+on the GPU: no host pass over the bytes.
 
 Data planes (``plane``):
 
@@ -63,6 +64,7 @@ class WeightPublisher:
         self.pin_store = pin_store  # page-lock store files for GPU tensors (DMA, GPU checksum)
         self.store = self.server = self.collective = None
         self._bounce: torch.Tensor | None = None
+        self._dma_streams: list[torch.cuda.Stream] = []  # streams with copies into the store in flight
         self._ready: dict[int, int] = {}  # version -> buckets ready (read by the server thread)
         self._buckets: dict[int, list[dict]] = {}
         if plane in ("nccl", "gloo"):
@@ -132,6 +134,7 @@ class WeightPublisher:
                 entry_i += 1
                 b = layout.buckets[bucket_i]
                 if entry_i == b["first"] + b["count"]:
+                    self._finish_dma()  # the bucket's bytes are in the store before it is announced
                     if self.collective is not None:
                         b["checksum"] = self.collective.send_bucket(b, pending_pieces, self.checksum)
                         pending_pieces = []
@@ -168,7 +171,15 @@ class WeightPublisher:
         n = flat.numel()
         if (self.pin_store and ck.algo == "sum64" and n % 8 == 0 and flat.data_ptr() % 8 == 0
                 and vf.pin(read_only=False)):
-            dst[:n].copy_(flat)  # synchronous: the bytes are in the store when it returns
+            # Asynchronous: the DMA queues behind the kernels that made ``src`` on its stream, so the
+            # host goes on to the next tensor (gather, layout change) while the bytes move; the
+            # caching allocator reuses ``src``'s memory only for later work on the same stream.
+            # _finish_dma waits once per bucket instead of once per tensor (SmolLM2: ~270 waits
+            # per version -> 9).
+            dst[:n].copy_(flat, non_blocking=True)
+            stream = torch.cuda.current_stream(flat.device)
+            if stream not in self._dma_streams:
+                self._dma_streams.append(stream)
             dst[n:].zero_()  # padding of a recycled file holds old bytes; zeros add nothing to sum64
             ck.update(flat)
             return
@@ -181,6 +192,12 @@ class WeightPublisher:
             bounce.copy_(flat[start:stop])
             hi = stop if stop < n else dst.numel()  # the last piece takes the zero padding
             write_tensor(dst[start:hi], bounce, ck)
+
+    def _finish_dma(self) -> None:
+        """Wait until every queued device-to-store copy has landed."""
+        for stream in self._dma_streams:
+            stream.synchronize()
+        self._dma_streams.clear()
 
     def collect(self) -> list[int]:
         """Garbage-collect store files beyond ``keep`` (done after every publish); files that
