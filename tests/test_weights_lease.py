@@ -88,12 +88,36 @@ def test_engine_loads_exactly_the_verified_version_while_three_newer_are_publish
         del tensors  # the load is over: the last view of v0 dies, and the lease with it
         pub.collect()
         assert 0 not in pub.store.retained and 0 in pub.store.collected and not path0.exists()
-        # the store recycles again: the next publishes reuse the spare instead of new files
+        # the store recycles again: the next publishes reuse the spares (v0's and v2's files, freed
+        # together) instead of new files, and never hold more files than while v0 was leased
         publish(pub, 4)
         publish(pub, 5)
-        assert len(list(pub.store.dir.glob(f"streamrl-{run_id}-*.bin"))) <= 2
+        assert len(list(pub.store.dir.glob(f"streamrl-{run_id}-*.bin"))) <= 3
         assert sub.load(engine, 1, 5) == 5 and bit_exact(engine.params, 105)
     finally:
+        sub.close()
+        pub.close()
+
+
+@pytest.mark.timeout(60)
+def test_files_freed_together_are_all_recycled(redis_url, run_id):
+    """A reader leases every other version until the next publish (as workers that load at
+    batch boundaries do): each leased file is freed at the same GC as the next one. Both become
+    spares, so after the first versions every version reuses a file (pages faulted in and
+    page-locked once). With a single spare, every other version got a fresh file."""
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=BUCKET, keep=1)
+    sub = WeightSubscriber(coord, plane="shm")
+    try:
+        inodes, held = [], None
+        for v in range(16):
+            publish(pub, v)  # GC: v-1 retires, and the file held until now is freed with it
+            inodes.append(os.stat(pub.store.files[v].path).st_ino)
+            held = list(sub.fetch(v)) if v % 2 == 0 else None
+            assert v < 2 or bit_exact(dict(held or sub.fetch(v)), 100 + v)
+        assert len(set(inodes)) <= 3, inodes  # v0, v1, v2 made files; v3-v15 reused them
+    finally:
+        del held
         sub.close()
         pub.close()
 
