@@ -304,8 +304,8 @@ def _mem_estimate(plane: str, nbytes: int, n: int) -> int:
 def _print_row(r: dict) -> None:
     extra = f" raw_zmq {r['raw_zmq_gbps']:.2f} GB/s ratio {r['ratio_vs_raw_zmq']:.2f}" if "raw_zmq_gbps" in r else ""
     print(f"{r['plane']:>4} {r['size_mb']:>6} MB x{r['subscribers']}: {r['e2e_s']:.3f} s {r['gbps']:.2f} GB/s | "
-          f"publish {r['publish_s']:.3f} (gather {r['gather_s']:.3f} write {r['write_s']:.3f}) transfer {r['transfer_s']:.3f} "
-          f"verify {r['verify_s']:.3f} load {r['load_s']:.3f} | peak +{r['peak_extra_mb']:.0f} MB | "
+          f"publish {r['publish_s']:.3f} (gather {r['gather_s']:.3f} write {r['write_s']:.3f}) "
+          f"transfer {r['transfer_s']:.3f} verify {r['verify_s']:.3f} load {r['load_s']:.3f} | peak +{r['peak_extra_mb']:.0f} MB | "
           f"memcpy {r['memcpy_gbps']:.2f} GB/s ratio {r['ratio_vs_memcpy']:.2f}{extra}", flush=True)
 
 

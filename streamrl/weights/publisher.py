@@ -222,6 +222,7 @@ class WeightPublisher:
                 "weights/retained_versions": float(len(self.store.retained) if self.store else 0)}
 
     def close(self) -> None:
+        self._finish_dma()  # a publish that raised may have left copies into the store in flight
         if self.server is not None:
             self.server.close()
         if self.store is not None:
