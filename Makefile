@@ -8,7 +8,7 @@ PYTEST := $(BIN)/python -m pytest
 # Default tier: minutes on 2 cores. Slower tiers run in `make test-tiers` (CI runs both).
 DEFAULT_TIER := not slow and not vllm and not chaos and not gpu and not multinode and not heavy
 
-.PHONY: setup demo test test-tiers test-heavy test-all clean
+.PHONY: setup demo test test-tiers test-heavy test-all docs clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,10 @@ test-heavy: setup
 	$(PYTEST) -q -m heavy -p no:cacheprovider
 
 test-all: test test-tiers
+
+# docs/config.md from the field docstrings in streamrl/config.py (tests/test_config_reference.py checks it).
+docs: setup
+	$(BIN)/python tools/gen_config_reference.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
