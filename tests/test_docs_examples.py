@@ -37,3 +37,29 @@ def test_example_is_quoted_verbatim_and_runs(page, name, body):
                                                          os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+# docs/docker.md belongs to the Docker documentation, which is written and tested apart from these pages.
+LINKED_ELSEWHERE = {"docs/docker.md"}
+
+
+def test_relative_links_in_readme_and_docs_resolve():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    missing = []
+    for page in pages:
+        for target in LINK.findall(page.read_text()):
+            if "://" in target:
+                continue
+            path = (page.parent / target).resolve()
+            if path.relative_to(REPO).as_posix() not in LINKED_ELSEWHERE and not path.exists():
+                missing.append(f"{page.relative_to(REPO)} -> {target}")
+    assert missing == []
+
+
+def test_paths_named_in_the_readme_exist():
+    """Repository paths (configs, tools, docs, docker) that README.md and docs/benchmarks.md name are real files."""
+    text = (REPO / "README.md").read_text() + (REPO / "docs" / "benchmarks.md").read_text()
+    named = set(re.findall(r"(?<![\w/])((?:configs|tools|docs|docker)/[\w./-]+\.(?:yaml|py|sh|md|json|png))", text))
+    assert named, "the README names no paths"
+    assert [p for p in sorted(named) if not (REPO / p).exists() and p not in LINKED_ELSEWHERE] == []
