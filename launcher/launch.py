@@ -20,14 +20,13 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamrl.config import Config, ConfigError, admission_wait_note, config_from_dict, load_config
+from streamrl.config import Config, ConfigError, admission_wait_note, load_config
 from streamrl.launcher.runstate import LaunchError, check_redis_url, is_loopback, redact
 from streamrl.preflight import PreflightError, require_preflight
 from streamrl.placement import LAUNCH_ROLES, NodePlan, assign_threads, canonical_role, plan_node, uses_cuda
@@ -74,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-restarts", type=int, default=3, help="restarts per rollout worker before giving up")
     g.add_argument("--restart-backoff", type=float, default=1.0, help="first restart delay in s, doubled each time")
     g.add_argument("--learner-restarts", type=int, default=0,
-                   help="restart a failed learner this many times (with --resume when the learner supports it)")
+                   help="restart a failed learner this many times (each restart resumes from the latest checkpoint)")
     g.add_argument("--resume", action="store_true", help="start the learner with --resume (continue a checkpoint)")
     g.add_argument("--stop-grace", type=float, default=30.0, help="seconds the learner gets to stop before SIGTERM")
     g.add_argument("--wait-timeout", type=float, default=300.0,
@@ -114,7 +113,9 @@ class Launch:
         name = "learner.log" if self.plan.learner_nnodes == 1 else f"learner-node{self.plan.node_rank}.log"
         return self.run_dir / "logs" / name
 
-    def learner_cmd(self, url: str) -> list[str]:
+    def learner_cmd(self, url: str, resume: bool = False) -> list[str]:
+        """The elastic launcher's command for this host's learner ranks; with ``--resume`` when the
+        user asked for it or ``resume`` (a restart after a failure continues from the checkpoint)."""
         plan, a = self.plan, self.args
         cmd = [sys.executable, "-m", "torch.distributed.run"]
         nproc = len(plan.learner.devices)
@@ -127,7 +128,7 @@ class Launch:
         cmd += ["-m", "streamrl.workers.learner", "--redis-url", url, "--run-id", self.run_id]
         if self.multi:
             cmd += ["--bind-host", self.bind_host, "--advertise-host", self.advertise_host]
-        if a.resume:
+        if a.resume or resume:
             cmd.append("--resume")
         return cmd
 
@@ -275,13 +276,6 @@ def describe(launch: Launch) -> dict:
     }
 
 
-def learner_accepts(flag: str) -> bool:
-    """Whether the installed learner entry point has ``flag`` (asked through its --help)."""
-    out = subprocess.run([sys.executable, "-m", "streamrl.workers.learner", "--help"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, **BASE_ENV})
-    return flag in out.stdout
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -296,8 +290,6 @@ def main(argv=None) -> int:
         if args.dry_run:
             print(json.dumps(describe(launch), indent=2))
             return 0
-        if args.resume and not learner_accepts("--resume"):
-            raise LaunchError("--resume: this learner has no --resume flag (checkpointing not installed)")
     except PreflightError as e:
         for line in e.problems:
             print(f"streamrl-launch: {line}", file=sys.stderr)

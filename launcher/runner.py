@@ -15,7 +15,7 @@ from pathlib import Path
 
 from streamrl.config import ConfigError, config_from_dict
 from streamrl.coord.coordinator import Coordinator
-from streamrl.launcher.launch import BASE_ENV, Launch, learner_accepts, make_plan
+from streamrl.launcher.launch import BASE_ENV, Launch, make_plan
 from streamrl.launcher.process import ManagedProcess
 from streamrl.launcher.redis_server import RedisServer
 from streamrl.launcher.runstate import LaunchError, RunState, redact
@@ -75,13 +75,10 @@ def execute(launch: Launch) -> int:
     parts.append(f"{len(rollers)} roller(s) {[r.name for r in rollers]}")
     _say(f"run {launch.run_id}, node {args.node_rank}/{args.nnodes}, role {args.role}: {', '.join(parts)}; "
          f"Redis {redact(url)}; logs in {launch.run_dir / 'logs'}")
-    restart_args, keep = [], False
-    if launch.head and args.learner_restarts > 0:
-        keep = learner_accepts("--resume")
-        restart_args = ["--resume"] if keep else []
     progress = Progress(launch.run_dir / "metrics.jsonl", launch.cfg.run.steps) if launch.head else None
     sup = Supervisor(state, learner, rollers, head=launch.head, host=launch.host,
-                     learner_restarts=args.learner_restarts, restart_args=restart_args, keep_progress=keep,
+                     learner_restarts=args.learner_restarts,
+                     learner_restart_cmd=launch.learner_cmd(url, resume=True) if learner else None,
                      single_host=not launch.multi, stop_grace_s=args.stop_grace, park_timeout_s=args.wait_timeout,
                      progress=progress)
     state.set_host(launch.host, "running")
