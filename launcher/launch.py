@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamrl.config import Config, ConfigError, admission_wait_note, load_config
-from streamrl.launcher.runstate import LaunchError, check_redis_url, is_loopback, redact
+from streamrl.launcher.runstate import LaunchError, check_redis_url, is_loopback, redact, redis_host_of
 from streamrl.preflight import PreflightError, require_preflight
 from streamrl.placement import LAUNCH_ROLES, NodePlan, assign_threads, canonical_role, plan_node, uses_cuda
 
@@ -218,7 +218,7 @@ def prepare(args) -> Launch:
     elif not is_loopback(args.redis_host) and not args.redis_password:
         raise LaunchError(f"--redis-host {args.redis_host}: a Redis reachable from other hosts needs "
                           f"--redis-password (or $STREAMRL_REDIS_PASSWORD)")
-    reachable = multi or (args.redis_url is not None and not is_loopback(_url_host(args.redis_url)))
+    reachable = multi or (args.redis_url is not None and not is_loopback(redis_host_of(args.redis_url)))
     bind = args.bind_host or ("0.0.0.0" if reachable else "127.0.0.1")
     advertise = args.advertise_host or (args.master_addr if reachable else None)
     if reachable and not advertise:
@@ -228,12 +228,6 @@ def prepare(args) -> Launch:
     cfg.run.run_dir = str(run_dir)
     host = f"node{args.node_rank}-{args.role}-{socket.gethostname()}-{os.getpid()}"
     return Launch(args, cfg, plan, run_id, run_dir, head, multi, args.redis_url, bind, advertise, host)
-
-
-def _url_host(url: str) -> str:
-    from streamrl.launcher.runstate import redis_host_of  # noqa: PLC0415
-
-    return redis_host_of(url)
 
 
 def describe(launch: Launch) -> dict:
@@ -253,6 +247,7 @@ def describe(launch: Launch) -> dict:
                       "env": r.env, "devices": [str(d) for d in r.devices],
                       "hosted": {k: [str(d) for d in v] for k, v in r.hosted.items()},
                       "log": str(launch.run_dir / "logs" / f"rollout-{wid}.log")})
+    # Lazy: the role modules import torch; --help and flag errors stay fast without it.
     from streamrl.roles.launch import role_processes  # noqa: PLC0415
 
     for role in role_processes(launch.cfg, a.node_rank, url, launch.run_id, launch.bind_host,
@@ -300,7 +295,8 @@ def main(argv=None) -> int:
     except LaunchError as e:
         print(f"streamrl-launch: {e}", file=sys.stderr)
         return 2
-    from streamrl.launcher.runner import execute  # noqa: PLC0415  (fast --help and --dry-run)
+    # Lazy: the runner imports torch (seconds); --help, --dry-run and flag errors do without it.
+    from streamrl.launcher.runner import execute  # noqa: PLC0415
 
     return execute(launch)
 
