@@ -253,10 +253,6 @@ class Coordinator:
             time.sleep(poll_s)
         return False
 
-    def live_workers(self) -> list[int]:
-        """Registered workers whose heartbeat TTL has not expired."""
-        return [w for w, hb in self.workers().items() if hb is not None]
-
     def put_weight_timings(self, worker_id: int, timings: dict[str, float]) -> None:
         """Last weights-fetch timings of a worker (seconds per stage), for monitors and benchmarks."""
         self.r.hset(self.keys.weights_timings(worker_id), mapping={k: float(v) for k, v in timings.items()})
