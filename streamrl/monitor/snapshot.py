@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from streamrl.roles.names import REWARD, ROLE_SERVERS
+
 LAYER_RE = re.compile(r"^moe/router_entropy/layer(\d+)$")
 HIST_PREFIX = "learner/staleness_hist/"
 # V-trace critic metrics (streamrl.learner.trainer / critic), snapshot name -> learner key
@@ -73,10 +75,6 @@ def counter_rate(entries: list[dict[str, float]], key: str, t_lo: float, t_hi: f
     dt = ts(pts[-1]) - ts(pts[0])
     return {"rate": total / dt, "t0": ts(pts[0]), "t1": ts(pts[-1]), "count": total,
             "first": pts[0], "last": pts[-1]}
-
-
-# Processes of the Hybrid roles placed apart (their servers write metrics under these names).
-ROLE_PROCESSES = ("reward", "reference", "critic")
 
 
 def _mean(vals: list[float]) -> float | None:
@@ -245,12 +243,12 @@ class SnapshotBuilder:
         server shows here first), rejected requests and failed batches since its start; the
         critic adds its training step, value loss and explained variance."""
         out: dict[str, Any] = {}
-        for role in ROLE_PROCESSES:
+        for role in ROLE_SERVERS:  # the Hybrid role servers write metrics under their names
             h = list(history.get(role, []))
             latest = state.latest.get(role) or (h[-1] if h else None)
             if not latest:
                 continue
-            scored = counter_rate(h, "reward/pairs" if role == "reward" else f"{role}/trajectories", t_lo, t_hi)
+            scored = counter_rate(h, "reward/pairs" if role == REWARD else f"{role}/trajectories", t_lo, t_hi)
             batches = counter_rate(h, f"{role}/batches", t_lo, t_hi)
             busy = counter_rate(h, f"{role}/score_s", t_lo, t_hi)
             row = {"trajectories_per_s": scored["rate"] if scored else None,

@@ -34,9 +34,10 @@ from streamrl.algorithms.advantages import gae_advantages
 from streamrl.config import Config
 from streamrl.learner.critic import ValueHead, whiten_advantages
 from streamrl.learner.packing import response_grid
+from streamrl.roles.names import CRITIC
 
 log = logging.getLogger(__name__)
-ROLE = "critic"
+ROLE = CRITIC
 
 
 def critic_role_configured(cfg: Config) -> bool:
