@@ -102,17 +102,15 @@ class WeightSubscriber:
 
     def __init__(self, coord: Coordinator, plane: str = "auto", streams: int = 2, retries: int = 2,
                  timeout_s: float = 120.0, collective_rank: int | None = None, device: str = "cpu",
-                 pin_store: bool | None = None, verify_threads: int | None = None, lease_reads: bool = True):
+                 pin_store: bool | None = None, verify_threads: int | None = None):
         """``device``: where the engine's weights live; with a CUDA device (or ``pin_store``)
         same-host store mappings are page-locked so the engine's load is a DMA from them.
-        ``verify_threads``: torch threads for the checksums (None: the process setting).
-        ``lease_reads=False`` drops the store read lease: the old, racy path, kept only so tests
-        can show the race they guard against."""
+        ``verify_threads``: torch threads for the checksums (None: the process setting)."""
         if plane not in SUB_PLANES:
             raise ValueError(f"weights subscriber plane {plane!r} is unknown; choose one of {SUB_PLANES}")
         if verify_threads is not None and verify_threads < 1:
             raise ValueError(f"weights verify_threads = {verify_threads}: must be >= 1")
-        self.verify_threads, self.lease_reads = verify_threads, lease_reads
+        self.verify_threads = verify_threads
         self.coord, self.plane, self.streams = coord, plane, streams
         self.retries, self.timeout_s = retries, timeout_s
         self.loaded_version = -1
@@ -153,10 +151,8 @@ class WeightSubscriber:
             return self._fetch(version)
 
     def _open_store(self, path: str, total: int) -> torch.Tensor:
-        """uint8 [total] over the version's store file; with ``lease_reads`` it holds a read
-        lease that lives as long as any view of it. Raises FileNotFoundError when gone."""
-        if not self.lease_reads:
-            return self._readers.open(path, total).buf
+        """uint8 [total] over the version's store file, holding a read lease that lives as long
+        as any view of it. Raises FileNotFoundError when gone."""
         fd, key = lease.acquire_read(path)  # before reading a byte: see streamrl.weights.lease
         try:
             vf = self._readers.open(path, total, expect=key)
