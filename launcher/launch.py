@@ -20,15 +20,14 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamrl.config import Config, ConfigError, admission_wait_note, config_from_dict, load_config
-from streamrl.launcher.runstate import LaunchError, check_redis_url, is_loopback, redact
+from streamrl.config import Config, ConfigError, admission_wait_note, load_config
+from streamrl.launcher.runstate import LaunchError, check_redis_url, is_loopback, redact, redis_host_of
 from streamrl.preflight import PreflightError, require_preflight
 from streamrl.placement import LAUNCH_ROLES, NodePlan, assign_threads, canonical_role, plan_node, uses_cuda
 
@@ -74,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-restarts", type=int, default=3, help="restarts per rollout worker before giving up")
     g.add_argument("--restart-backoff", type=float, default=1.0, help="first restart delay in s, doubled each time")
     g.add_argument("--learner-restarts", type=int, default=0,
-                   help="restart a failed learner this many times (with --resume when the learner supports it)")
+                   help="restart a failed learner this many times (each restart resumes from the latest checkpoint)")
     g.add_argument("--resume", action="store_true", help="start the learner with --resume (continue a checkpoint)")
     g.add_argument("--stop-grace", type=float, default=30.0, help="seconds the learner gets to stop before SIGTERM")
     g.add_argument("--wait-timeout", type=float, default=300.0,
@@ -114,7 +113,9 @@ class Launch:
         name = "learner.log" if self.plan.learner_nnodes == 1 else f"learner-node{self.plan.node_rank}.log"
         return self.run_dir / "logs" / name
 
-    def learner_cmd(self, url: str) -> list[str]:
+    def learner_cmd(self, url: str, resume: bool = False) -> list[str]:
+        """The elastic launcher's command for this host's learner ranks; with ``--resume`` when the
+        user asked for it or ``resume`` (a restart after a failure continues from the checkpoint)."""
         plan, a = self.plan, self.args
         cmd = [sys.executable, "-m", "torch.distributed.run"]
         nproc = len(plan.learner.devices)
@@ -127,7 +128,7 @@ class Launch:
         cmd += ["-m", "streamrl.workers.learner", "--redis-url", url, "--run-id", self.run_id]
         if self.multi:
             cmd += ["--bind-host", self.bind_host, "--advertise-host", self.advertise_host]
-        if a.resume:
+        if a.resume or resume:
             cmd.append("--resume")
         return cmd
 
@@ -217,7 +218,7 @@ def prepare(args) -> Launch:
     elif not is_loopback(args.redis_host) and not args.redis_password:
         raise LaunchError(f"--redis-host {args.redis_host}: a Redis reachable from other hosts needs "
                           f"--redis-password (or $STREAMRL_REDIS_PASSWORD)")
-    reachable = multi or (args.redis_url is not None and not is_loopback(_url_host(args.redis_url)))
+    reachable = multi or (args.redis_url is not None and not is_loopback(redis_host_of(args.redis_url)))
     bind = args.bind_host or ("0.0.0.0" if reachable else "127.0.0.1")
     advertise = args.advertise_host or (args.master_addr if reachable else None)
     if reachable and not advertise:
@@ -227,12 +228,6 @@ def prepare(args) -> Launch:
     cfg.run.run_dir = str(run_dir)
     host = f"node{args.node_rank}-{args.role}-{socket.gethostname()}-{os.getpid()}"
     return Launch(args, cfg, plan, run_id, run_dir, head, multi, args.redis_url, bind, advertise, host)
-
-
-def _url_host(url: str) -> str:
-    from streamrl.launcher.runstate import redis_host_of  # noqa: PLC0415
-
-    return redis_host_of(url)
 
 
 def describe(launch: Launch) -> dict:
@@ -252,6 +247,7 @@ def describe(launch: Launch) -> dict:
                       "env": r.env, "devices": [str(d) for d in r.devices],
                       "hosted": {k: [str(d) for d in v] for k, v in r.hosted.items()},
                       "log": str(launch.run_dir / "logs" / f"rollout-{wid}.log")})
+    # Lazy: the role modules import torch; --help and flag errors stay fast without it.
     from streamrl.roles.launch import role_processes  # noqa: PLC0415
 
     for role in role_processes(launch.cfg, a.node_rank, url, launch.run_id, launch.bind_host,
@@ -275,13 +271,6 @@ def describe(launch: Launch) -> dict:
     }
 
 
-def learner_accepts(flag: str) -> bool:
-    """Whether the installed learner entry point has ``flag`` (asked through its --help)."""
-    out = subprocess.run([sys.executable, "-m", "streamrl.workers.learner", "--help"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, **BASE_ENV})
-    return flag in out.stdout
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -296,8 +285,6 @@ def main(argv=None) -> int:
         if args.dry_run:
             print(json.dumps(describe(launch), indent=2))
             return 0
-        if args.resume and not learner_accepts("--resume"):
-            raise LaunchError("--resume: this learner has no --resume flag (checkpointing not installed)")
     except PreflightError as e:
         for line in e.problems:
             print(f"streamrl-launch: {line}", file=sys.stderr)
@@ -308,7 +295,8 @@ def main(argv=None) -> int:
     except LaunchError as e:
         print(f"streamrl-launch: {e}", file=sys.stderr)
         return 2
-    from streamrl.launcher.runner import execute  # noqa: PLC0415  (fast --help and --dry-run)
+    # Lazy: the runner imports torch (seconds); --help, --dry-run and flag errors do without it.
+    from streamrl.launcher.runner import execute  # noqa: PLC0415
 
     return execute(launch)
 

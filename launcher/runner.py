@@ -15,12 +15,13 @@ from pathlib import Path
 
 from streamrl.config import ConfigError, config_from_dict
 from streamrl.coord.coordinator import Coordinator
-from streamrl.launcher.launch import BASE_ENV, Launch, learner_accepts, make_plan
+from streamrl.launcher.launch import BASE_ENV, Launch, make_plan
 from streamrl.launcher.process import ManagedProcess
 from streamrl.launcher.redis_server import RedisServer
 from streamrl.launcher.runstate import LaunchError, RunState, redact
 from streamrl.launcher.progress import Progress
 from streamrl.launcher.supervisor import Supervisor, exit_report, signal_name
+from streamrl.roles.launch import role_processes
 
 
 def _say(msg: str) -> None:
@@ -28,33 +29,19 @@ def _say(msg: str) -> None:
 
 
 def execute(launch: Launch) -> int:
+    """Start this host's part of the run, supervise it, print the exit report. Returns the exit code."""
     args = launch.args
-    server = None
     if launch.head:
         launch.run_dir.mkdir(parents=True, exist_ok=True)
         for stale in ("summary.json", "metrics.jsonl"):
             (launch.run_dir / stale).unlink(missing_ok=True)
+    server = RedisServer(launch.run_dir / "redis", port=args.redis_port, host=args.redis_host,
+                         password=args.redis_password) if launch.redis_url is None else None
     try:
-        if launch.redis_url is None:
-            server = RedisServer(launch.run_dir / "redis", port=args.redis_port, host=args.redis_host,
-                                 password=args.redis_password).start()
-            url = server.url
-        else:
-            url = launch.redis_url
-        coord = Coordinator(url, launch.run_id)
-        state = RunState(coord, launch.run_id)
-        if launch.head:
-            if args.run_id is not None and not args.resume:
-                state.reset_namespace()
-            coord.put_config(launch.cfg.to_dict())
-        else:
-            _say(f"waiting for run {launch.run_id} in Redis {redact(url)}")
-            launch.cfg = config_from_dict(state.wait_for_run(args.wait_timeout))
-            launch.plan = make_plan(args, launch.cfg)  # the head's placement is the run's
-            if args.run_dir is not None:
-                launch.cfg.run.run_dir = args.run_dir
-            launch.run_dir = Path(launch.cfg.run.run_dir).resolve()
-        procs = _processes(launch, url, state)
+        url = server.start().url if server else launch.redis_url
+        state = RunState(Coordinator(url, launch.run_id), launch.run_id)
+        _join_run(launch, state, url)
+        learner, rollers = _processes(launch, url, state)
     except (ConfigError, LaunchError) as e:
         if server:
             server.stop()
@@ -64,24 +51,16 @@ def execute(launch: Launch) -> int:
         if server:
             server.stop()
         raise
-    learner, rollers = procs
-    if launch.head:  # streamrl-monitor RUN_DIR reads Redis and the run id from here
-        info = launch.run_dir / "run.json"
-        info.write_text(json.dumps({"run_id": launch.run_id, "redis_url": url, "placement": launch.plan.to_dict()},
-                                   indent=2))
-        if url != redact(url):
-            info.chmod(0o600)  # it holds the Redis password
+    if launch.head:
+        _write_run_info(launch, url)
     parts = [f"{len(launch.plan.learner.devices)} of {launch.plan.learner_world} learner rank(s)"] if learner else []
     parts.append(f"{len(rollers)} roller(s) {[r.name for r in rollers]}")
     _say(f"run {launch.run_id}, node {args.node_rank}/{args.nnodes}, role {args.role}: {', '.join(parts)}; "
          f"Redis {redact(url)}; logs in {launch.run_dir / 'logs'}")
-    restart_args, keep = [], False
-    if launch.head and args.learner_restarts > 0:
-        keep = learner_accepts("--resume")
-        restart_args = ["--resume"] if keep else []
     progress = Progress(launch.run_dir / "metrics.jsonl", launch.cfg.run.steps) if launch.head else None
     sup = Supervisor(state, learner, rollers, head=launch.head, host=launch.host,
-                     learner_restarts=args.learner_restarts, restart_args=restart_args, keep_progress=keep,
+                     learner_restarts=args.learner_restarts,
+                     learner_restart_cmd=launch.learner_cmd(url, resume=True) if learner else None,
                      single_host=not launch.multi, stop_grace_s=args.stop_grace, park_timeout_s=args.wait_timeout,
                      progress=progress)
     state.set_host(launch.host, "running")
@@ -93,6 +72,37 @@ def execute(launch: Launch) -> int:
             signal.signal(s, h)
         if server:
             server.stop()
+    return _finish(launch, sup, learner, rollers, failures)
+
+
+def _join_run(launch: Launch, state: RunState, url: str) -> None:
+    """Head: reset a re-used run id's namespace (not on --resume) and store the config. Other
+    hosts: wait for the head's config and re-plan with it (the head's placement is the run's)."""
+    args = launch.args
+    if launch.head:
+        if args.run_id is not None and not args.resume:
+            state.reset_namespace()
+        state.coord.put_config(launch.cfg.to_dict())
+        return
+    _say(f"waiting for run {launch.run_id} in Redis {redact(url)}")
+    launch.cfg = config_from_dict(state.wait_for_run(args.wait_timeout))
+    launch.plan = make_plan(args, launch.cfg)
+    if args.run_dir is not None:
+        launch.cfg.run.run_dir = args.run_dir
+    launch.run_dir = Path(launch.cfg.run.run_dir).resolve()
+
+
+def _write_run_info(launch: Launch, url: str) -> None:
+    """RUN_DIR/run.json: where ``streamrl-monitor RUN_DIR`` finds Redis and the run id."""
+    info = launch.run_dir / "run.json"
+    info.write_text(json.dumps({"run_id": launch.run_id, "redis_url": url, "placement": launch.plan.to_dict()},
+                               indent=2))
+    if url != redact(url):
+        info.chmod(0o600)  # it holds the Redis password
+
+
+def _finish(launch: Launch, sup: Supervisor, learner, rollers, failures: list[str]) -> int:
+    """Print the exit report (and after a stop on request, the checkpoint and resume hint); the exit code."""
     summary = launch.run_dir / "summary.json" if launch.head else None
     if summary is not None and not failures and not summary.exists():
         failures.append("learner wrote no summary.json")
@@ -109,7 +119,8 @@ def stopped_report(launch: Launch, signum: int) -> str:
     lines = [f"streamrl-launch: stopped on request ({signal_name(signum)})"]
     if not launch.head:
         return lines[0] + "; the head host holds the checkpoint"
-    from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint  # noqa: PLC0415 (torch, only here)
+    # Lazy: the checkpoint module pulls in the model stack (seconds), needed only after a stop on request.
+    from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint  # noqa: PLC0415
 
     ckpt = latest_checkpoint(checkpoint_dir(launch.cfg))
     if ckpt is None:
@@ -141,8 +152,6 @@ def _processes(launch: Launch, url: str, state: RunState):
             "evaluator", [sys.executable, "-m", "streamrl.workers.evaluator", "--redis-url", url, "--run-id",
                           launch.run_id], logs / "evaluator.log", env=dict(BASE_ENV),
             max_restarts=launch.args.max_restarts, backoff_s=launch.args.restart_backoff, makes_batches=False))
-    from streamrl.roles.launch import role_processes  # noqa: PLC0415 (one hunk)
-
     for role in role_processes(launch.cfg, launch.args.node_rank, url, launch.run_id, launch.bind_host,
                                launch.advertise_host):  # reward/reference/critic servers: supervised like workers
         rollers.append(ManagedProcess(role.name, role.cmd, logs / f"{role.name}.log", env=dict(BASE_ENV),

@@ -57,25 +57,16 @@ class RunState:
     def key(self, name: str) -> str:
         return f"{self.prefix}launch:{name}"
 
-    def _delete_matching(self, keep: set[str]) -> int:
-        n = 0
-        for k in self.r.scan_iter(match=_glob_escape(self.prefix) + "*", count=500):
-            if k not in keep and not any(k.startswith(p) for p in keep if p.endswith(":")):
-                n += self.r.delete(k)
-        return n
-
     def reset_namespace(self) -> int:
         """Delete every key of the run (a re-used run id starts clean). Head only, before put_config."""
-        return self._delete_matching(set())
+        n = 0
+        for k in self.r.scan_iter(match=_glob_escape(self.prefix) + "*", count=500):
+            n += self.r.delete(k)
+        return n
 
-    def reset_for_learner_restart(self, keep_progress: bool) -> int:
-        """Before a learner restart: clear the stop flag; without ``keep_progress`` (no --resume)
-        also the weights version, capacity and acks, so the fresh learner starts from version 0."""
-        keep = {self.coord.keys.config, self.prefix + "launch:", self.coord.keys.incarnation("")}
-        if keep_progress:
-            self.r.delete(self.coord.keys.stop)
-            return 1
-        return self._delete_matching(keep)
+    def clear_stop(self) -> None:
+        """Before a learner restart: the old learner's stop flag must not stop the new one."""
+        self.r.delete(self.coord.keys.stop)
 
     # -- worker ids, epochs, completion -----------------------------------------------------
     def allocate_worker_ids(self, n: int) -> list[int]:

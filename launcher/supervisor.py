@@ -6,8 +6,8 @@ Rules (one loop, 5 ticks a second):
   one that exits because the run stopped is *parked*, and restarted only if the run goes on
   (the head restarted the learner: the run's ``epoch`` advanced);
 * the learner finishing ends the run; a learner failure ends it too, unless
-  ``learner_restarts`` are left: then workers are halted, the run state is reset (kept with
-  ``--resume``), the epoch advances and the learner starts again;
+  ``learner_restarts`` are left: then the learner starts again with ``--resume`` while the
+  workers keep running (they restart only if the learner cannot re-bind its trajectory port);
 * Ctrl-C / SIGTERM: a stop on request, not a failure. The head asks the learner to stop
   through Redis (it finishes its step, checkpoints when ``checkpoint.save_on_stop`` and writes
   summary.json), then SIGTERMs it and only then kills; workers are stopped after the learner;
@@ -29,6 +29,8 @@ from streamrl.launcher.progress import Progress
 from streamrl.launcher.runstate import RunState
 
 TICK_S = 0.2
+ENDPOINT_WATCH_S = 600.0
+"""How long after a learner restart the head watches for the learner moving its trajectory endpoint."""
 
 
 @dataclass
@@ -39,9 +41,8 @@ class Supervisor:
     head: bool
     host: str
     learner_restarts: int = 0
-    restart_args: list[str] = field(default_factory=list)
-    """Arguments added to the learner command on a restart (``--resume`` when the learner has it)."""
-    keep_progress: bool = False
+    learner_restart_cmd: list[str] | None = None
+    """The learner's command for a restart after a failure (``--resume``: it continues from the checkpoint)."""
     single_host: bool = True
     stop_grace_s: float = 30.0
     park_timeout_s: float = 300.0
@@ -90,32 +91,12 @@ class Supervisor:
         """One supervision step; True when this host is finished."""
         if self.interrupted:
             return True  # a stop on request: shutdown() tells the learner why
-        if self.learner and self.learner.proc is not None:
-            rc = self.learner.poll()
-            if rc == 0:
-                return True
-            if rc is not None:
-                if self.head and self.learner.restarts < self.learner_restarts:
-                    self._restart_learner(rc)
-                else:
-                    self.failures.append(f"learner exited with code {rc} (see {self.learner.log_path})")
-                    return True
+        if self._learner_ended():
+            return True
         try:
             stop = self.coord.stop_reason()
-            if self.head:
-                self._check_endpoint()
-                if self._config is not None and self.coord.get_config() is None:
-                    # Redis restarted empty: put back what new workers need to start.
-                    self.say("Redis lost the run's keys (restart without persistence); re-storing the config")
-                    self.coord.put_config(self._config)
-            if not self.head:
-                if self.state.done() is not None:
-                    return True
-                epoch = self.state.epoch()
-                if epoch != self.epoch:
-                    self.epoch = epoch
-                    self.say(f"learner restarted (epoch {epoch}); restarting {len(self.rollers)} worker(s)")
-                    self._restart_rollers()
+            if self._follow_run():
+                return True
         except redis.RedisError as e:
             if self.seen_stop:
                 return True  # the head's Redis went away after the run stopped
@@ -124,20 +105,63 @@ class Supervisor:
         self.seen_stop |= stop is not None
         now = time.monotonic()
         for r in self.rollers:
-            code = r.poll()
-            if code is not None and r.proc is not None:
-                if code == 0 or stop is not None:
-                    r.exit_codes.append(code)
-                    r.proc = None
-                    r.parked_since = now
-                elif r.schedule_restart():
-                    self.say(f"{r.name} exited with {code}; restart {r.restarts}/{r.max_restarts} "
-                             f"in {r.backoff_s * 2 ** (r.restarts - 1):.0f} s")
-                else:
-                    self.say(f"{r.name} exited with {code}; no restarts left")
-                    r.proc = None  # given up: its exit codes are recorded
-            if r.restart_due():
-                r.start()
+            self._supervise_roller(r, stop, now)
+        return self._rollers_ended(stop, now)
+
+    def _learner_ended(self) -> bool:
+        """The learner finished (the run is over) or failed with no restart left (recorded)."""
+        if not self.learner or self.learner.proc is None:
+            return False
+        rc = self.learner.poll()
+        if rc is None:
+            return False
+        if rc == 0:
+            return True
+        if self.head and self.learner.restarts < self.learner_restarts:
+            self._restart_learner(rc)
+            return False
+        self.failures.append(f"learner exited with code {rc} (see {self.learner.log_path})")
+        return True
+
+    def _follow_run(self) -> bool:
+        """Head: watch the learner's endpoint and put back a config Redis lost. Other hosts: True
+        once the head marked the run done; restart workers when the head's epoch advanced."""
+        if self.head:
+            self._check_endpoint()
+            if self._config is not None and self.coord.get_config() is None:
+                # Redis restarted empty: put back what new workers need to start.
+                self.say("Redis lost the run's keys (restart without persistence); re-storing the config")
+                self.coord.put_config(self._config)
+            return False
+        if self.state.done() is not None:
+            return True
+        epoch = self.state.epoch()
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.say(f"learner restarted (epoch {epoch}); restarting {len(self.rollers)} worker(s)")
+            self._restart_rollers()
+        return False
+
+    def _supervise_roller(self, r: ManagedProcess, stop: str | None, now: float) -> None:
+        """Park a worker that exited because the run stopped; restart a failed one while it has restarts."""
+        code = r.poll()
+        if code is not None and r.proc is not None:
+            if code == 0 or stop is not None:
+                r.exit_codes.append(code)
+                r.proc = None
+                r.parked_since = now
+            elif r.schedule_restart():
+                self.say(f"{r.name} exited with {code}; restart {r.restarts}/{r.max_restarts} "
+                         f"in {r.backoff_s * 2 ** (r.restarts - 1):.0f} s")
+            else:
+                self.say(f"{r.name} exited with {code}; no restarts left")
+                r.proc = None  # given up: its exit codes are recorded
+        if r.restart_due():
+            r.start()
+
+    def _rollers_ended(self, stop: str | None, now: float) -> bool:
+        """True (with the failure recorded) when every batch maker failed, or when a host without
+        a learner has had all its processes parked longer than ``park_timeout_s``."""
         makers = [r for r in self.rollers if r.makes_batches]
         if makers and all(r.proc is None and not r.restarting and r.parked_since is None for r in makers):
             self.failures.append("all rollout workers failed" + ("" if self.single_host else " on this host"))
@@ -152,45 +176,27 @@ class Supervisor:
         return False
 
     def _restart_learner(self, rc: int) -> None:
+        """Restart the failed learner with ``--resume``: workers keep running. Admission control and
+        credits hold them back while the learner is away; it re-binds the same port, so what they
+        queued is delivered (if it cannot, :meth:`_check_endpoint` restarts them)."""
         lr = self.learner
         lr.exit_codes.append(rc)
         lr.restarts += 1
-        self.say(f"learner exited with {rc}; restart {lr.restarts}/{self.learner_restarts}"
-                 f"{' with ' + ' '.join(self.restart_args) if self.restart_args else ' from scratch (no --resume)'}")
-        if self.keep_progress:
-            # Resume: workers keep running. Admission control and credits hold them back while
-            # the learner is away; it re-binds the same port, so what they queued is delivered.
-            lr.stop(grace_s=0)
-            self.state.reset_for_learner_restart(True)
-            self._old_endpoint = self.coord.get_endpoint("trajectories")
-            for a in self.restart_args:
-                if a not in lr.cmd:
-                    lr.cmd.append(a)
-            lr.start()
-            for r in self.rollers:
-                # Parked, or exited on a stop the old learner wrote that this loop has not
-                # recorded yet: the run goes on, so the worker comes back.
-                if r.proc is not None and r.poll() is not None:
-                    r.exit_codes.append(r.proc.returncode)
-                    r.proc = None
-                if r.proc is None and not r.restarting:
-                    r.start()  # start() clears parked_since
-            self._watch_endpoint_until = time.monotonic() + 600
-            return
-        self.coord.request_stop("learner restarting")  # halt workers everywhere before the reset
+        self.say(f"learner exited with {rc}; restart {lr.restarts}/{self.learner_restarts} with --resume")
         lr.stop(grace_s=0)  # reap stragglers of the old job
-        for r in self.rollers:
-            r.stop(grace_s=10)
-            r.proc = None
-        self.state.reset_for_learner_restart(self.keep_progress)
-        self.coord.r.delete(self.coord.keys.stop)
-        self.epoch = self.state.bump_epoch()
-        for a in self.restart_args:
-            if a not in lr.cmd:
-                lr.cmd.append(a)
+        self.state.clear_stop()
+        self._old_endpoint = self.coord.get_endpoint("trajectories")
+        lr.cmd = list(self.learner_restart_cmd)
         lr.start()
         for r in self.rollers:
-            r.start()
+            # Parked, or exited on a stop the old learner wrote that this loop has not
+            # recorded yet: the run goes on, so the worker comes back.
+            if r.proc is not None and r.poll() is not None:
+                r.exit_codes.append(r.proc.returncode)
+                r.proc = None
+            if r.proc is None and not r.restarting:
+                r.start()  # start() clears parked_since
+        self._watch_endpoint_until = time.monotonic() + ENDPOINT_WATCH_S
 
     def _check_endpoint(self) -> None:
         """After a resume: if the learner could not re-bind its old port, workers (connected to

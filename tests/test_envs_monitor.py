@@ -9,7 +9,8 @@ import pytest
 from rich.console import Console
 
 from streamrl.coord.coordinator import Coordinator
-from streamrl.monitor.snapshot import SnapshotBuilder, empty_state
+from monitor_helpers import empty_state
+from streamrl.monitor.snapshot import SnapshotBuilder
 from streamrl.monitor.ui import render
 
 # What two workers' EpisodeBatchRoller reports after a batch (streamrl.envs.episode_metrics + runner counters).

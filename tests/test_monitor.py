@@ -16,7 +16,8 @@ from rich.console import Console
 
 from streamrl.coord.coordinator import Coordinator
 from streamrl.monitor.cli import take_snapshot
-from streamrl.monitor.snapshot import SnapshotBuilder, counter_rate, empty_state
+from monitor_helpers import empty_state
+from streamrl.monitor.snapshot import SnapshotBuilder, counter_rate
 from streamrl.monitor.source import RedisUnavailable, RunSource, newest_run, resolve_target
 from streamrl.monitor.ui import render, sparkline
 

@@ -8,7 +8,8 @@ import pytest
 from rich.console import Console
 
 from streamrl.coord.coordinator import Coordinator
-from streamrl.monitor.snapshot import SnapshotBuilder, empty_state
+from monitor_helpers import empty_state
+from streamrl.monitor.snapshot import SnapshotBuilder
 from streamrl.monitor.ui import render
 
 

@@ -12,7 +12,6 @@ from streamrl.coord.coordinator import Coordinator
 from streamrl.weights.adapter import adapt_specs, adapt_tensor, unadapt
 from streamrl.weights.layout import ChecksumError, Layout, checksum_region
 from streamrl.weights.publisher import WeightPublisher
-from streamrl.weights.shm import ShmWeightPublisher, ShmWeightSubscriber
 from streamrl.weights.subscriber import WeightSubscriber
 
 SPECS = [
@@ -23,6 +22,23 @@ SPECS = [
     ("model.norm.weight", torch.bfloat16, (33,)),
     ("lm_head.weight", torch.float32, (50, 32)),
 ]
+
+
+def corrupt_replies(server, n: int) -> None:
+    """Flip one byte of each of the next ``n`` buckets ``server`` (a BucketServer) sends, in a
+    copy (the store stays intact), so a subscriber sees a checksum mismatch and must re-fetch."""
+    lookup, left = server.lookup, [n]
+
+    def corrupting(version: int, index: int):
+        data = lookup(version, index)
+        if data is None or left[0] == 0:
+            return data
+        left[0] -= 1
+        payload = bytearray(data)
+        payload[len(payload) // 2] ^= 0xFF
+        return memoryview(payload)
+
+    server.lookup = corrupting  # the server thread looks it up per request
 
 
 def make_tensors(seed: int) -> list[torch.Tensor]:
@@ -107,11 +123,11 @@ def test_publish_fetch_bit_exact_vllm_names(redis_url, run_id, plane):
 @pytest.mark.timeout(60)
 def test_late_joiner_gets_newest_and_old_versions_are_collected(redis_url, run_id):
     coord = Coordinator(redis_url, run_id)
-    pub = ShmWeightPublisher(coord, run_id, bucket_bytes=8192, keep=2)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=8192, keep=2)
     try:
         for v in range(4):
             pub.publish(v, SPECS, iter(make_tensors(10 + v)))
-        sub = ShmWeightSubscriber(coord)  # joins after 4 versions
+        sub = WeightSubscriber(coord, plane="auto")  # joins after 4 versions
         v = sub.newer_version()
         assert v == 3
         check_equal(sub.fetch(v), make_tensors(13))
@@ -159,10 +175,10 @@ def test_corrupted_zmq_bucket_is_refetched(redis_url, run_id):
         tensors = make_tensors(4)
         pub.publish(0, SPECS, iter(tensors))
         sub = WeightSubscriber(coord, plane="zmq", streams=1)
-        pub.server.corrupt_next(1)
+        corrupt_replies(pub.server, 1)
         check_equal(sub.fetch(0), tensors)
         assert sub.checksum_failures == 1
-        pub.server.corrupt_next(10)  # persistent corruption: raises, returns nothing
+        corrupt_replies(pub.server, 10)  # persistent corruption: raises, returns nothing
         with pytest.raises(ChecksumError):
             sub.fetch(0)
         sub.close()
@@ -425,7 +441,7 @@ def test_cuda_subscriber_zmq_frames_pinned_and_verified(redis_url, run_id):
     try:
         tensors = make_tensors(70)
         pub.publish(0, SPECS, iter(tensors))
-        pub.server.corrupt_next(1)
+        corrupt_replies(pub.server, 1)
         got = [(n, t.to("cuda")) for n, t in sub.fetch(0)]
         assert sub.checksum_failures == 1 and sub._pinned_frames
         check_equal(((n, t.cpu()) for n, t in got), tensors)

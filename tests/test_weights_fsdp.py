@@ -30,7 +30,7 @@ def _learner_rank(rank: int, port: int, redis_url: str, run_id: str, q) -> None:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        from streamrl.weights.gather import ExpertShard, full_parameters, global_specs
+        from weights_gather import ExpertShard, full_parameters, global_specs
         from streamrl.weights.publisher import WeightPublisher
 
         torch.set_num_threads(1)

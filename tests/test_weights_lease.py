@@ -122,13 +122,21 @@ def test_files_freed_together_are_all_recycled(redis_url, run_id):
         pub.close()
 
 
+class UnleasedSubscriber(WeightSubscriber):
+    """Maps the store file without taking a read lease: the race the lease exists for."""
+
+    def _open_store(self, path: str, total: int) -> torch.Tensor:
+        return self._readers.open(path, total).buf
+
+
 @pytest.mark.timeout(60)
 def test_without_the_lease_the_same_race_loads_unverified_bytes(redis_url, run_id):
-    """The old path (``lease_reads=False``) under the same schedule: the engine ends with bytes
-    of a later version that were never verified. This is what the test above guards against."""
+    """A subscriber that maps the store without a read lease, under the same schedule: the
+    engine ends with bytes of a later version that were never verified. This is what the
+    test above guards against."""
     coord = Coordinator(redis_url, run_id)
     pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=BUCKET, keep=1)
-    sub = WeightSubscriber(coord, plane="shm", lease_reads=False)
+    sub = UnleasedSubscriber(coord, plane="shm")
     try:
         publish(pub, 0)
         tensors = sub.fetch(0)

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from typing import Any
+from urllib.parse import urlparse
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -37,7 +38,7 @@ return 1
 
 
 # How long one Redis call keeps retrying a lost connection before it raises (bounded: no
-# process hangs forever on a dead Redis). A restart of the embedded Redis takes ~1 s.
+# process hangs forever on a dead Redis), and long enough to ride out a restart of Redis.
 OUTAGE_S = 60.0
 
 
@@ -87,8 +88,6 @@ class OutageRetry(Retry):
 
 def redact(url: str) -> str:
     """``url`` with its password replaced by ``***`` (for logs and --dry-run output)."""
-    from urllib.parse import urlparse
-
     u = urlparse(url)
     return url.replace(f":{u.password}@", ":***@", 1) if u.password else url
 
@@ -253,10 +252,6 @@ class Coordinator:
                 return True
             time.sleep(poll_s)
         return False
-
-    def live_workers(self) -> list[int]:
-        """Registered workers whose heartbeat TTL has not expired."""
-        return [w for w, hb in self.workers().items() if hb is not None]
 
     def put_weight_timings(self, worker_id: int, timings: dict[str, float]) -> None:
         """Last weights-fetch timings of a worker (seconds per stage), for monitors and benchmarks."""

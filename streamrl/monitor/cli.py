@@ -16,6 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+from streamrl.monitor.snapshot import SnapshotBuilder, Thresholds
+
+# The redis client (streamrl.monitor.source) and rich (the terminal UI) are imported where they
+# are used: together they take several times longer to import than `--help` takes to answer.
+
 EXIT_REDIS_DOWN = 2
 EXIT_NO_RUN = 3
 
@@ -43,9 +48,7 @@ def parse_args(argv=None):
     return args
 
 
-def _builder(args):
-    from streamrl.monitor.snapshot import SnapshotBuilder, Thresholds  # noqa: PLC0415
-
+def _builder(args) -> SnapshotBuilder:
     th = Thresholds(entropy_warn=args.entropy_warn, entropy_bad=args.entropy_bad,
                     usage_std_warn=args.usage_std_warn, usage_std_bad=args.usage_std_bad,
                     stale_heartbeat_s=args.stale_after)
@@ -67,7 +70,7 @@ def _explain(error: Exception, run_dir: str | None) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from streamrl.monitor.source import (RedisUnavailable, RunNotFound, RunSource,  # noqa: PLC0415
+    from streamrl.monitor.source import (RedisUnavailable, RunNotFound, RunSource,  # noqa: PLC0415 (lazy: redis)
                                          resolve_target)
 
     try:
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps(snap))
         else:
-            from rich.console import Console  # noqa: PLC0415
+            from rich.console import Console  # noqa: PLC0415 (lazy: rich)
             from streamrl.monitor.ui import render  # noqa: PLC0415
             Console().print(render(snap, url))
         return 0
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
 
 
 def _loop(args, source, builder, url) -> int:
-    from streamrl.monitor.source import RedisUnavailable, RunNotFound  # noqa: PLC0415
+    from streamrl.monitor.source import RedisUnavailable, RunNotFound  # noqa: PLC0415 (lazy: redis)
 
     snap, error, n = None, None, 0
 
@@ -121,7 +124,7 @@ def _loop(args, source, builder, url) -> int:
                 if args.iterations and n >= args.iterations:
                     return 0
                 time.sleep(args.interval)
-        from rich.console import Console  # noqa: PLC0415
+        from rich.console import Console  # noqa: PLC0415 (lazy: rich)
         from rich.live import Live  # noqa: PLC0415
         from streamrl.monitor.ui import render  # noqa: PLC0415
 

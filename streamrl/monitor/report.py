@@ -12,13 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
 import sys
 from pathlib import Path
 
-PLOTS = ("reward", "throughput", "staleness", "weights", "moe")
-
+from streamrl.monitor.snapshot import LAYER_RE, Thresholds
 
 def load_metrics(path: Path) -> list[dict]:
     """Rows of metrics.jsonl; a torn last line (a run killed mid-write) is skipped."""
@@ -94,8 +92,7 @@ def build_data(rows: list[dict], summary: dict | None) -> dict[str, dict[str, tu
     data["staleness"]["lag histogram"] = ([float(k) for k in lags], [float(hist[k]) for k in lags])
     for key in ("weights/gather_s", "weights/write_s", "weights/publish_s"):
         data["weights"][key] = col(rows, key)
-    layers = sorted({int(m.group(1)) for r in rows[-1:] for k in r
-                     if (m := re.match(r"moe/router_entropy/layer(\d+)$", k))})
+    layers = sorted({int(m.group(1)) for r in rows[-1:] for k in r if (m := LAYER_RE.match(k))})
     for i in layers:
         data["moe"][f"router entropy L{i}"] = col(rows, f"moe/router_entropy/layer{i}")
         data["moe"][f"expert usage std L{i}"] = col(rows, f"moe/expert_usage_std/layer{i}")
@@ -105,62 +102,92 @@ def build_data(rows: list[dict], summary: dict | None) -> dict[str, dict[str, tu
     return {p: {k: v for k, v in d.items() if v[0]} for p, d in data.items()}
 
 
-def plot(name: str, series: dict[str, tuple[list[float], list[float]]]):
-    """One figure per plot name; returns the matplotlib Figure (Agg)."""
+Series = dict[str, tuple[list[float], list[float]]]
+
+
+def _pyplot():
+    """matplotlib.pyplot on the file-only Agg backend. Lazy: matplotlib takes seconds to import
+    and only the report draws; ``build_data`` and ``--help`` do without it."""
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    return plt
 
-    def line(ax, label, **kw):
-        if label in series:
-            ax.plot(*series[label], label=label, **kw)
 
-    if name == "reward":
-        evals = "held-out accuracy vs version" in series
-        fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(16 if evals else 11, 4))
-        line(axes[0], "reward vs samples")
-        axes[0].set(xlabel="trained samples", ylabel="reward mean", title="reward vs samples")
-        line(axes[1], "reward vs time", color="tab:orange")
-        axes[1].set(xlabel="seconds since first step", ylabel="reward mean", title="reward vs time")
-        if evals:
-            line(axes[2], "held-out accuracy vs version", color="tab:green", marker="o")
-            axes[2].set(xlabel="policy version", ylabel="greedy accuracy", title="held-out evaluation")
-    elif name == "throughput":
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-        line(axes[0], "trained trajectories/s")
-        line(axes[0], "received trajectories/s", linestyle="--")
-        line(axes[1], "trained tokens/s", color="tab:green")
-        line(axes[2], "learner step s")
-        line(axes[2], "learner idle fraction")
-        axes[0].set(xlabel="seconds", title="trajectories/s")
-        axes[1].set(xlabel="seconds", title="trained tokens/s")
-        axes[2].set(xlabel="step", title="learner step time / idle")
-    elif name == "staleness":
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-        line(axes[0], "mean lag per step")
-        axes[0].set(xlabel="step", ylabel="versions", title="mean version lag of trained tokens")
-        if "lag histogram" in series:
-            axes[1].bar(*series["lag histogram"], color="tab:purple")
-        axes[1].set(xlabel="version lag", ylabel="trajectories", title="staleness histogram")
-        line(axes[2], "dropped stale (cumulative)", color="tab:red")
-        axes[2].set(xlabel="step", title="trajectories dropped as stale")
-    elif name == "weights":
-        fig, ax = plt.subplots(figsize=(8, 4))
-        for label in series:
-            ax.plot(*series[label], marker=".", label=label)
-        ax.set(xlabel="step", ylabel="seconds", title="weight sync time (learner side)")
-        axes = [ax]
-    elif name == "moe":
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-        for label in series:
-            ax = axes[0] if "entropy" in label else axes[1]
-            ax.plot(*series[label], label=label)
-        axes[0].set(xlabel="step", ylabel="H / log E", title="router entropy (1 = uniform)")
-        axes[1].set(xlabel="step", ylabel="std × E", title="expert usage std (0 = balanced)")
-        for y, c in ((0.5, "orange"), (1.0, "red")):  # streamrl-monitor's default warn / bad levels
-            axes[1].axhline(y, color=c, linestyle=":", linewidth=1)
-    else:
+def _line(ax, series: Series, label: str, **kw) -> None:
+    if label in series:
+        ax.plot(*series[label], label=label, **kw)
+
+
+def _draw_reward(plt, series: Series):
+    evals = "held-out accuracy vs version" in series
+    fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(16 if evals else 11, 4))
+    _line(axes[0], series, "reward vs samples")
+    axes[0].set(xlabel="trained samples", ylabel="reward mean", title="reward vs samples")
+    _line(axes[1], series, "reward vs time", color="tab:orange")
+    axes[1].set(xlabel="seconds since first step", ylabel="reward mean", title="reward vs time")
+    if evals:
+        _line(axes[2], series, "held-out accuracy vs version", color="tab:green", marker="o")
+        axes[2].set(xlabel="policy version", ylabel="greedy accuracy", title="held-out evaluation")
+    return fig, axes
+
+
+def _draw_throughput(plt, series: Series):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    _line(axes[0], series, "trained trajectories/s")
+    _line(axes[0], series, "received trajectories/s", linestyle="--")
+    _line(axes[1], series, "trained tokens/s", color="tab:green")
+    _line(axes[2], series, "learner step s")
+    _line(axes[2], series, "learner idle fraction")
+    axes[0].set(xlabel="seconds", title="trajectories/s")
+    axes[1].set(xlabel="seconds", title="trained tokens/s")
+    axes[2].set(xlabel="step", title="learner step time / idle")
+    return fig, axes
+
+
+def _draw_staleness(plt, series: Series):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    _line(axes[0], series, "mean lag per step")
+    axes[0].set(xlabel="step", ylabel="versions", title="mean version lag of trained tokens")
+    if "lag histogram" in series:
+        axes[1].bar(*series["lag histogram"], color="tab:purple")
+    axes[1].set(xlabel="version lag", ylabel="trajectories", title="staleness histogram")
+    _line(axes[2], series, "dropped stale (cumulative)", color="tab:red")
+    axes[2].set(xlabel="step", title="trajectories dropped as stale")
+    return fig, axes
+
+
+def _draw_weights(plt, series: Series):
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label in series:
+        ax.plot(*series[label], marker=".", label=label)
+    ax.set(xlabel="step", ylabel="seconds", title="weight sync time (learner side)")
+    return fig, [ax]
+
+
+def _draw_moe(plt, series: Series):
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for label in series:
+        ax = axes[0] if "entropy" in label else axes[1]
+        ax.plot(*series[label], label=label)
+    axes[0].set(xlabel="step", ylabel="H / log E", title="router entropy (1 = uniform)")
+    axes[1].set(xlabel="step", ylabel="std × E", title="expert usage std (0 = balanced)")
+    th = Thresholds()  # streamrl-monitor's default warn / bad levels
+    for y, c in ((th.usage_std_warn, "orange"), (th.usage_std_bad, "red")):
+        axes[1].axhline(y, color=c, linestyle=":", linewidth=1)
+    return fig, axes
+
+
+_DRAW = {"reward": _draw_reward, "throughput": _draw_throughput, "staleness": _draw_staleness,
+         "weights": _draw_weights, "moe": _draw_moe}
+PLOTS = tuple(_DRAW)
+
+
+def plot(name: str, series: Series):
+    """One figure per plot name; returns the matplotlib Figure (Agg)."""
+    if name not in _DRAW:
         raise ValueError(f"plot name {name!r}: expected one of {PLOTS}")
+    fig, axes = _DRAW[name](_pyplot(), series)
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
@@ -233,8 +260,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else None
     out = Path(out_dir) if out_dir else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+    plt = _pyplot()
     data = build_data(rows, summary)
     files = []
     for name in PLOTS:

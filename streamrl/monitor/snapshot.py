@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+from streamrl.roles.names import REWARD, ROLE_SERVERS
 
 LAYER_RE = re.compile(r"^moe/router_entropy/layer(\d+)$")
 HIST_PREFIX = "learner/staleness_hist/"
@@ -76,10 +77,6 @@ def counter_rate(entries: list[dict[str, float]], key: str, t_lo: float, t_hi: f
             "first": pts[0], "last": pts[-1]}
 
 
-# Processes of the Hybrid roles placed apart (their servers write metrics under these names).
-ROLE_PROCESSES = ("reward", "reference", "critic")
-
-
 def _mean(vals: list[float]) -> float | None:
     vals = [v for v in vals if v is not None and math.isfinite(v)]
     return sum(vals) / len(vals) if vals else None
@@ -105,6 +102,8 @@ class SnapshotBuilder:
 
     def build(self, run_id: str, history: dict[str, list[dict[str, float]]], state,
               now: float | None = None) -> dict[str, Any]:
+        """One snapshot of the run from ``history[process]`` (metric dicts in time order) and
+        ``state`` (a :class:`~streamrl.monitor.source.State`) at ``now`` (default: ``state.time``)."""
         now = state.time if now is None else now
         learner = list(history.get("learner", []))
         latest_l = state.latest.get("learner") or (learner[-1] if learner else {})
@@ -115,6 +114,34 @@ class SnapshotBuilder:
         t_lo = t_hi - self.window_s
 
         samples = counter_rate(learner, "learner/samples", t_lo, t_hi)
+        return {
+            "run_id": run_id,
+            "time": now,
+            "status": f"ended: {state.stop}" if ended else ("running" if learner else "waiting for data"),
+            "window_s": self.window_s,
+            # the learner reports that the rates span (their times and steps), for cross-checks
+            "window": {"learner": [samples["t0"], samples["t1"]] if samples else None,
+                       "learner_steps": [samples["first"].get("learner/step"), samples["last"].get("learner/step")]
+                       if samples else None},
+            "totals": self._totals(learner, latest_l, state, workers, samples, t_lo, t_hi),
+            "staleness": self._staleness(learner, latest_l),
+            "weights": self._weights(latest_l, state, workers),
+            "moe": self._moe(latest_l),
+            "workers": self._workers(state, workers, now, t_lo, t_hi),
+            "transport": {k: v for k, v in latest_l.items() if k.startswith("transport/")},
+            "history": self._history(learner, workers, t_hi),
+            # optional sections: present only when a run reports their signals, so the --json
+            # of a run without them carries no extra keys
+            **self._critic(learner, latest_l, t_lo, t_hi),
+            **self._credit(state),
+            **self._env(state, workers),
+            **self._roles(history, state, now, t_lo, t_hi),
+        }
+
+    @staticmethod
+    def _totals(learner, latest_l, state, workers, samples, t_lo, t_hi) -> dict[str, Any]:
+        """Run-wide rates over the window (``samples``: the learner's trained-samples rate),
+        window means of the learner's step figures, and the latest progress values."""
         trained_tok = counter_rate(learner, "learner/trained_tokens_total", t_lo, t_hi)
         steps = counter_rate(learner, "learner/step", t_lo, t_hi)
         gen_traj = [counter_rate(h, "rollout/trajectories", t_lo, t_hi) for h in workers.values()]
@@ -125,57 +152,27 @@ class SnapshotBuilder:
             got = [r["rate"] for r in rates if r]
             return sum(got) if got else None
 
-        # engine/learner mismatch: the learner's KL if it reports one, else the workers' parity
-        # probe (rollout/mismatch_kl), else the learner's mean |logp - behaviour logp|
-        worker_kl = _mean([state.latest.get(p, {}).get("rollout/mismatch_kl") for p in workers])
-        if "learner/mismatch_kl" in latest_l:
-            kl_key, kl = "learner/mismatch_kl", latest_l["learner/mismatch_kl"]
-        elif worker_kl is not None:
-            kl_key, kl = "rollout/mismatch_kl", worker_kl
-        else:
-            kl_key, kl = "learner/behaviour_logprob_abs_diff", latest_l.get("learner/behaviour_logprob_abs_diff")
-        totals = {
+        def window_mean(key):
+            return _first(_window_mean(learner, key, t_lo, t_hi), latest_l.get(key))
+
+        kl_key, kl = _mismatch(latest_l, state, workers)
+        return {
             "trajectories_per_s": total(gen_traj),
             "trained_trajectories_per_s": samples["rate"] if samples else None,
             "received_trajectories_per_s": recv["rate"] if recv else None,
             "generated_tokens_per_s": total(gen_tok),
             "trained_tokens_per_s": trained_tok["rate"] if trained_tok else None,
             "learner_steps_per_s": steps["rate"] if steps else None,
-            "learner_step_s": _first(_window_mean(learner, "learner/step_s", t_lo, t_hi), latest_l.get("learner/step_s")),
-            "learner_idle_frac": _first(_window_mean(learner, "learner/idle_frac", t_lo, t_hi),
-                                        latest_l.get("learner/idle_frac")),
+            "learner_step_s": window_mean("learner/step_s"),
+            "learner_idle_frac": window_mean("learner/idle_frac"),
             "queue_depth": latest_l.get("learner/buffer_trajectories"),
             "version": state.version,
             "learner_step": latest_l.get("learner/step"),
             "samples": latest_l.get("learner/samples"),
-            "reward_mean": _first(_window_mean(learner, "learner/reward_mean", t_lo, t_hi),
-                                  latest_l.get("learner/reward_mean")),
+            "reward_mean": window_mean("learner/reward_mean"),
             "rollout_reward_mean": _mean([state.latest.get(p, {}).get("rollout/reward_mean") for p in workers]),
             "mismatch_kl": kl,
             "mismatch_key": kl_key,
-        }
-        return {
-            "run_id": run_id,
-            "time": now,
-            "status": f"ended: {state.stop}" if ended else ("running" if learner else "waiting for data"),
-            "window_s": self.window_s,
-            # the learner reports that the rates span (their times and steps), for cross-checks
-            "window": {"learner": [samples["t0"], samples["t1"]] if samples else None,
-                       "learner_steps": [samples["first"].get("learner/step"), samples["last"].get("learner/step")]
-                       if samples else None},
-            "totals": totals,
-            "staleness": self._staleness(learner, latest_l),
-            "weights": self._weights(latest_l, state, workers),
-            "moe": self._moe(latest_l),
-            "workers": self._workers(state, workers, now, t_lo, t_hi),
-            "transport": {k: v for k, v in latest_l.items() if k.startswith("transport/")},
-            "history": self._history(learner, workers, t_hi),
-            # new signals: keys appear only when a run reports them (a run without them
-            # snapshots exactly as before, so --json consumers see nothing new)
-            **self._critic(learner, latest_l, t_lo, t_hi),
-            **self._credit(state),
-            **self._env(state, workers),
-            **self._roles(history, state, now, t_lo, t_hi),
         }
 
     def _staleness(self, learner, latest) -> dict[str, Any]:
@@ -246,12 +243,12 @@ class SnapshotBuilder:
         server shows here first), rejected requests and failed batches since its start; the
         critic adds its training step, value loss and explained variance."""
         out: dict[str, Any] = {}
-        for role in ROLE_PROCESSES:
+        for role in ROLE_SERVERS:  # the Hybrid role servers write metrics under their names
             h = list(history.get(role, []))
             latest = state.latest.get(role) or (h[-1] if h else None)
             if not latest:
                 continue
-            scored = counter_rate(h, "reward/pairs" if role == "reward" else f"{role}/trajectories", t_lo, t_hi)
+            scored = counter_rate(h, "reward/pairs" if role == REWARD else f"{role}/trajectories", t_lo, t_hi)
             batches = counter_rate(h, f"{role}/batches", t_lo, t_hi)
             busy = counter_rate(h, f"{role}/score_s", t_lo, t_hi)
             row = {"trajectories_per_s": scored["rate"] if scored else None,
@@ -382,7 +379,13 @@ class SnapshotBuilder:
         }
 
 
-def empty_state(now: float | None = None):
-    """A State with nothing in it (for tests and for rendering before the first read)."""
-    from streamrl.monitor.source import State  # noqa: PLC0415
-    return State(time=now or time.time(), version=-1, stop=None, heartbeats={}, incarnations={})
+def _mismatch(latest_l, state, workers) -> tuple[str, float | None]:
+    """Engine/learner mismatch as ``(metric key, value)``: the learner's KL if it reports one,
+    else the workers' parity probe (rollout/mismatch_kl), else the learner's mean
+    |logp - behaviour logp|."""
+    worker_kl = _mean([state.latest.get(p, {}).get("rollout/mismatch_kl") for p in workers])
+    if "learner/mismatch_kl" in latest_l:
+        return "learner/mismatch_kl", latest_l["learner/mismatch_kl"]
+    if worker_kl is not None:
+        return "rollout/mismatch_kl", worker_kl
+    return "learner/behaviour_logprob_abs_diff", latest_l.get("learner/behaviour_logprob_abs_diff")

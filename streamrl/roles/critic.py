@@ -27,14 +27,17 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from streamrl.algorithms.advantages import gae_advantages
 from streamrl.config import Config
 from streamrl.learner.critic import ValueHead, whiten_advantages
 from streamrl.learner.packing import response_grid
+from streamrl.roles.names import CRITIC
 
 log = logging.getLogger(__name__)
-ROLE = "critic"
+ROLE = CRITIC
 
 
 def critic_role_configured(cfg: Config) -> bool:
@@ -44,7 +47,9 @@ def critic_role_configured(cfg: Config) -> bool:
 
 def critic_checkpoint_path(cfg: Config) -> Path:
     """``<checkpoint dir>/critic.safetensors`` (next to the learner's checkpoints)."""
-    from streamrl.learner.checkpoint import checkpoint_dir  # noqa: PLC0415 (torch.distributed pieces)
+    # Lazy: the checkpoint module pulls in the model stack; the launcher imports this module
+    # only for critic_role_configured.
+    from streamrl.learner.checkpoint import checkpoint_dir  # noqa: PLC0415
 
     return checkpoint_dir(cfg) / "critic.safetensors"
 
@@ -159,8 +164,6 @@ class CriticRole:
     def save(self) -> None:
         """Model + AdamW state + step in one safetensors file (tensors only, no pickle), written
         to a temporary file and renamed, so a SIGKILL never leaves a half-written checkpoint."""
-        from safetensors.torch import save_file  # noqa: PLC0415
-
         assert self.checkpoint is not None
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
@@ -173,8 +176,6 @@ class CriticRole:
         os.replace(tmp, self.checkpoint)
 
     def _load(self, path: Path) -> None:
-        from safetensors import safe_open  # noqa: PLC0415
-
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata()
             tensors = {k: f.get_tensor(k) for k in f.keys()}

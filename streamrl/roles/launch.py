@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from streamrl.config import Config
 from streamrl.placement import parse_devices
 from streamrl.roles.critic import critic_role_configured
+from streamrl.roles.names import CRITIC, REFERENCE, REWARD
 from streamrl.roles.reference import reference_role_configured
 
 @dataclass(frozen=True)
@@ -53,11 +54,11 @@ def role_processes(cfg: Config, node_rank: int, url: str, run_id: str, bind_host
     """Every role server this host (``node_rank``) starts, in a fixed order (reward, reference, critic)."""
     wanted = []
     if reward_role_configured(cfg):
-        wanted.append(("reward", cfg.placement.reward))
+        wanted.append((REWARD, cfg.placement.reward))
     if reference_role_configured(cfg):
-        wanted.append(("reference", cfg.placement.reference))
+        wanted.append((REFERENCE, cfg.placement.reference))
     if critic_role_configured(cfg):
-        wanted.append(("critic", cfg.placement.critic))
+        wanted.append((CRITIC, cfg.placement.critic))
     out = []
     for role, devices in wanted:
         device = _device_here(devices, f"placement.{role}", node_rank)

@@ -23,8 +23,9 @@ from tensordict import TensorDict
 from streamrl.config import Config
 from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.packing import response_grid
+from streamrl.roles.names import REFERENCE
 
-ROLE = "reference"
+ROLE = REFERENCE
 
 
 def reference_role_configured(cfg: Config) -> bool:

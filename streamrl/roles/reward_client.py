@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from streamrl.roles.dealer import RoleDealer, RoleServerError, RoleServerTimeout
-from streamrl.roles.reward_wire import decode_reply, encode_request
+from streamrl.roles.reward_wire import ENDPOINT, decode_reply, encode_request
 
 
 class RewardServerTimeout(RoleServerTimeout):
@@ -35,7 +35,7 @@ class RewardClient(RoleDealer):
     """
 
     def __init__(self, resolve: str | Callable[[], str | None], timeout_s: float = 60.0, attempts: int = 3):
-        super().__init__("reward", resolve, timeout_s, attempts, RewardServerTimeout, RewardServerError)
+        super().__init__(ENDPOINT, resolve, timeout_s, attempts, RewardServerTimeout, RewardServerError)
 
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
         """Scores ``[B]`` of the pairs, from the server."""

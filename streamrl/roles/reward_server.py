@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from streamrl.roles.batching_server import BatchingServer
-from streamrl.roles.reward_wire import LIMITS, decode_request, encode_reply
+from streamrl.roles.reward_wire import ENDPOINT, LIMITS, decode_request, encode_reply
 
 ScoreFn = Callable[[list[str], list[str]], list[float]]
 
@@ -20,7 +20,7 @@ class RewardServer(BatchingServer):
     """Serves ``score_fn`` over ZeroMQ; :meth:`serve_once` is one poll-read-score-reply round."""
 
     def __init__(self, score_fn: ScoreFn, bind: str = "tcp://127.0.0.1:*", max_batch: int = 256):
-        super().__init__("reward", LIMITS, bind, max_batch)
+        super().__init__(ENDPOINT, LIMITS, bind, max_batch)
         self.score_fn = score_fn
         self.pairs = 0
 

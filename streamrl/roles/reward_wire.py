@@ -19,11 +19,12 @@ from typing import Any, Sequence
 
 import torch
 
+from streamrl.roles.names import REWARD
 from streamrl.transport.codec import FrameError, Limits, decode, encode
 
 REQUEST = "reward_request"
 REPLY = "reward_reply"
-ENDPOINT = "reward"  # Coordinator endpoint name the reward server publishes
+ENDPOINT = REWARD  # Coordinator endpoint name the reward server publishes
 LIMITS = Limits(max_tensors=4, max_ndim=1, dtypes=frozenset({"uint8", "int64", "float64"}),
                 max_message_bytes=64 * 1024 * 1024)
 

@@ -10,10 +10,9 @@ data-parallel ranks through a ``torch.distributed`` broadcast (tensors, no pickl
 :mod:`streamrl.learner.distributed`). Why not one socket per DP rank: group-relative
 advantages need whole prompt groups and the staleness filter needs one view of what arrived,
 so per-rank receivers would need a second agreement round (which groups, which ranks) every
-step — itself a collective. Measured on the 2-core dev machine (loaded): the stream takes a
-1 MB batch off the wire in ~1.7 ms and a 16 MB one in ~25 ms; ``broadcast_batch`` to a second
-gloo rank took ~43 ms (1 MB) and ~27 ms (16 MB), dominated by one collective per key (13),
-not by bytes. So the broadcast, not the socket, is the cost of this design; packing the batch
+step — itself a collective. Taking a batch off the wire costs less than broadcasting it to a
+second rank, and the broadcast's cost is one collective per key, not bytes (figures in
+docs/benchmarks.md). So the broadcast, not the socket, is the cost of this design; packing the batch
 into one buffer (one collective) is the cheap fix, and per-rank receive only pays once
 trajectory bytes per step approach the broadcast bandwidth (GB per step).
 

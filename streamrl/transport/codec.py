@@ -170,7 +170,17 @@ def decode(frames: Sequence[Any], limits: Limits = Limits(), expect_kind: str | 
     total = sum(len(b) for b in bufs)
     if total > limits.max_message_bytes:
         raise FrameError("oversized", f"{total} bytes > {limits.max_message_bytes}")
-    head = bufs[0]
+    kind, meta, entries, pack_below = _parse_header(bufs[0], limits, expect_kind)
+    layout = _plan_layout(entries, pack_below, limits, bufs)
+    # Views (or small aligned copies) over the received buffers.
+    out: dict[str, torch.Tensor] = {}
+    for key, dtype, shape, frame, start, nbytes in layout:
+        out[key] = _tensor_view(bufs[frame][start:start + nbytes], dtype, shape)
+    return kind, meta, out
+
+
+def _parse_header(head: memoryview, limits: Limits, expect_kind: str | None) -> tuple[str, dict, list, int]:
+    """Frame 0 checked against ``limits``: ``(kind, meta, tensor entries, pack_below)``."""
     if len(head) > limits.max_header_bytes:
         raise FrameError("header_too_large", f"{len(head)} bytes")
     try:
@@ -191,7 +201,12 @@ def decode(frames: Sequence[Any], limits: Limits = Limits(), expect_kind: str | 
         raise FrameError("bad_header", "meta must be an object, tensors a list, pack_below an int >= 0")
     if len(entries) > limits.max_tensors:
         raise FrameError("too_many_frames", f"{len(entries)} tensors > {limits.max_tensors}")
-    # Pass 1: check every entry and compute the layout, touching no payload byte.
+    return kind, meta, entries, pack_below
+
+
+def _plan_layout(entries: list, pack_below: int, limits: Limits, bufs: list[memoryview]) -> list[tuple]:
+    """Check every entry and where its bytes lie, touching no payload byte: ``[(key, dtype,
+    shape, frame, start, nbytes)]`` in header order, consistent with the frames received."""
     layout, seen = [], set()
     small_end, n_big = 0, 0
     for entry in entries:
@@ -216,11 +231,7 @@ def decode(frames: Sequence[Any], limits: Limits = Limits(), expect_kind: str | 
     for key, _, _, frame, _, nbytes in layout:
         if frame > 1 and len(bufs[frame]) != nbytes:
             raise FrameError("size_mismatch", f"{key[:64]}: header says {nbytes} bytes, frame has {len(bufs[frame])}")
-    # Pass 2: views (or small aligned copies) over the received buffers.
-    out: dict[str, torch.Tensor] = {}
-    for key, dtype, shape, frame, start, nbytes in layout:
-        out[key] = _tensor_view(bufs[frame][start:start + nbytes], dtype, shape)
-    return kind, meta, out
+    return layout
 
 
 def _tensor_view(buf: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:

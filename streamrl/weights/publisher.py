@@ -31,11 +31,13 @@ import torch
 
 from streamrl.coord.coordinator import Coordinator
 from streamrl.weights.adapter import adapt_specs, adapt_tensor
+from streamrl.weights.collective import CollectiveSender
 from streamrl.weights.layout import Checksum, Layout, write_tensor
 from streamrl.weights.store import ShmStore
 from streamrl.weights.zmq_plane import BucketServer
 
-PLANES = ("auto", "shm", "zmq", "nccl", "gloo")
+COLLECTIVE_PLANES = ("nccl", "gloo")
+PLANES = ("auto", "shm", "zmq", *COLLECTIVE_PLANES)
 
 
 def host_id() -> str:
@@ -67,8 +69,7 @@ class WeightPublisher:
         self._dma_streams: list[torch.cuda.Stream] = []  # streams with copies into the store in flight
         self._ready: dict[int, int] = {}  # version -> buckets ready (read by the server thread)
         self._buckets: dict[int, list[dict]] = {}
-        if plane in ("nccl", "gloo"):
-            from streamrl.weights.collective import CollectiveSender
+        if plane in COLLECTIVE_PLANES:
             self.collective = CollectiveSender(coord, plane, collective_world, bind_host, advertise_host, device)
         else:
             self.store = ShmStore(run, keep=keep, max_retained=max_retained)
@@ -94,6 +95,39 @@ class WeightPublisher:
         """
         t0 = time.perf_counter()
         layout = Layout.plan(adapt_specs(specs, self.target), self.bucket_bytes)
+        manifest, vf = self._begin(version, layout)
+        writer = _BucketWriter(self, version, layout, vf)
+        gather_s = write_s = gpu_wait_s = 0.0
+        waited = False
+        peak = 0
+        it = iter(tensors)
+        for name, _, _ in specs:
+            tg = time.perf_counter()
+            item = next(it)
+            t = item[1] if isinstance(item, tuple) else item
+            tw = time.perf_counter()
+            gather_s += tw - tg
+            peak = max(peak, t.numel() * t.element_size())
+            if t.is_cuda and not waited:
+                torch.cuda.current_stream(t.device).synchronize()
+                gpu_wait_s, waited = time.perf_counter() - tw, True
+            for ename, piece in adapt_tensor(name, t, self.target):
+                writer.put(ename, piece)
+            del t, item
+            write_s += time.perf_counter() - tw
+        writer.check_complete()
+        manifest["state"] = "complete"
+        manifest["buckets"] = layout.buckets
+        self.coord.publish_version(version, manifest, keep=self.keep)
+        self.collect()
+        return {"weights/gather_s": gather_s, "weights/write_s": write_s,
+                "weights/publish_s": time.perf_counter() - t0, "weights/bytes": float(layout.total_bytes),
+                "weights/buckets": float(len(layout.buckets)), "weights/peak_tensor_bytes": float(peak),
+                "weights/gpu_wait_s": gpu_wait_s}
+
+    def _begin(self, version: int, layout: Layout) -> tuple[dict[str, Any], Any]:
+        """Announce ``version`` as being written: its manifest, and its store file (None on a
+        collective plane, whose receivers are told how many buckets follow)."""
         manifest: dict[str, Any] = {
             "version": version, "state": "writing", "plane": self.plane, "target": self.target,
             "checksum": self.checksum, "total_bytes": layout.total_bytes, "host": host_id(),
@@ -110,58 +144,7 @@ class WeightPublisher:
         self.coord.begin_version(version, manifest)
         if self.collective is not None:
             self.collective.begin(version, len(layout.buckets))
-
-        gather_s = write_s = gpu_wait_s = 0.0
-        waited = False
-        peak = 0
-        entry_i = bucket_i = 0
-        ck = Checksum(self.checksum)
-        pending_pieces: list[tuple[dict, torch.Tensor]] = []  # collective plane: one bucket
-        it = iter(tensors)
-        for name, _, _ in specs:
-            tg = time.perf_counter()
-            item = next(it)
-            t = item[1] if isinstance(item, tuple) else item
-            tw = time.perf_counter()
-            gather_s += tw - tg
-            peak = max(peak, t.numel() * t.element_size())
-            if t.is_cuda and not waited:
-                torch.cuda.current_stream(t.device).synchronize()
-                gpu_wait_s, waited = time.perf_counter() - tw, True
-            for ename, piece in adapt_tensor(name, t, self.target):
-                e = layout.tensors[entry_i]
-                if e["name"] != ename or list(piece.shape) != e["shape"]:
-                    raise ValueError(f"tensor {ename} {tuple(piece.shape)} does not match its spec "
-                                     f"{e['name']} {e['shape']}")
-                if vf is not None:
-                    self._write(vf, vf.region(e["offset"], _padded(e)), piece.contiguous(), ck)
-                else:
-                    pending_pieces.append((e, piece))
-                entry_i += 1
-                b = layout.buckets[bucket_i]
-                if entry_i == b["first"] + b["count"]:
-                    self._finish_dma()  # the bucket's bytes are in the store before it is announced
-                    if self.collective is not None:
-                        b["checksum"] = self.collective.send_bucket(b, pending_pieces, self.checksum)
-                        pending_pieces = []
-                    else:
-                        b["checksum"] = ck.digest()
-                        self._ready[version] = bucket_i + 1
-                    self.coord.bucket_ready(version, bucket_i, b["checksum"])
-                    ck = Checksum(self.checksum)
-                    bucket_i += 1
-            del t, item
-            write_s += time.perf_counter() - tw
-        if entry_i != len(layout.tensors):
-            raise ValueError(f"publish(v{version}) got {entry_i} of {len(layout.tensors)} engine tensors")
-        manifest["state"] = "complete"
-        manifest["buckets"] = layout.buckets
-        self.coord.publish_version(version, manifest, keep=self.keep)
-        self.collect()
-        return {"weights/gather_s": gather_s, "weights/write_s": write_s,
-                "weights/publish_s": time.perf_counter() - t0, "weights/bytes": float(layout.total_bytes),
-                "weights/buckets": float(len(layout.buckets)), "weights/peak_tensor_bytes": float(peak),
-                "weights/gpu_wait_s": gpu_wait_s}
+        return manifest, vf
 
     def _write(self, vf, dst: torch.Tensor, src: torch.Tensor, ck: Checksum) -> None:
         """Copy one engine tensor into the store region ``dst`` (uint8 [padded nbytes]).
@@ -181,8 +164,7 @@ class WeightPublisher:
             # Asynchronous: the DMA queues behind the kernels that made ``src`` on its stream, so the
             # host goes on to the next tensor (gather, layout change) while the bytes move; the
             # caching allocator reuses ``src``'s memory only for later work on the same stream.
-            # _finish_dma waits once per bucket instead of once per tensor (SmolLM2: ~270 waits
-            # per version -> 9).
+            # _finish_dma waits once per bucket instead of once per tensor.
             dst[:n].copy_(flat, non_blocking=True)
             stream = torch.cuda.current_stream(flat.device)
             if stream not in self._dma_streams:
@@ -229,6 +211,50 @@ class WeightPublisher:
             self.store.close()
         if self.collective is not None:
             self.collective.close()
+
+
+class _BucketWriter:
+    """Puts one version's engine tensors, in layout order, into their buckets; a bucket whose
+    last tensor is in is checksummed, sent (collective plane) or made servable (store), and
+    announced in Redis."""
+
+    def __init__(self, pub: WeightPublisher, version: int, layout: Layout, vf):
+        self.pub, self.version, self.layout, self.vf = pub, version, layout, vf
+        self.entry_i = self.bucket_i = 0
+        self.ck = Checksum(pub.checksum)
+        self.pieces: list[tuple[dict, torch.Tensor]] = []  # collective plane: the open bucket's tensors
+
+    def put(self, ename: str, piece: torch.Tensor) -> None:
+        e = self.layout.tensors[self.entry_i]
+        if e["name"] != ename or list(piece.shape) != e["shape"]:
+            raise ValueError(f"tensor {ename} {tuple(piece.shape)} does not match its spec "
+                             f"{e['name']} {e['shape']}")
+        if self.vf is not None:
+            self.pub._write(self.vf, self.vf.region(e["offset"], _padded(e)), piece.contiguous(), self.ck)
+        else:
+            self.pieces.append((e, piece))
+        self.entry_i += 1
+        b = self.layout.buckets[self.bucket_i]
+        if self.entry_i == b["first"] + b["count"]:
+            self._close_bucket(b)
+
+    def _close_bucket(self, b: dict) -> None:
+        pub = self.pub
+        pub._finish_dma()  # the bucket's bytes are in the store before it is announced
+        if pub.collective is not None:
+            b["checksum"] = pub.collective.send_bucket(b, self.pieces, pub.checksum)
+            self.pieces = []
+        else:
+            b["checksum"] = self.ck.digest()
+            pub._ready[self.version] = self.bucket_i + 1
+        pub.coord.bucket_ready(self.version, self.bucket_i, b["checksum"])
+        self.ck = Checksum(pub.checksum)
+        self.bucket_i += 1
+
+    def check_complete(self) -> None:
+        if self.entry_i != len(self.layout.tensors):
+            raise ValueError(f"publish(v{self.version}) got {self.entry_i} of {len(self.layout.tensors)} "
+                             f"engine tensors")
 
 
 def _padded(entry: dict) -> int:

@@ -6,7 +6,7 @@ read a bucket as soon as Redis says it is ready (x86 and the Redis round trip or
 writes before the announcement), and the ZeroMQ server sends buckets from the same pages
 without another copy. When a version is garbage-collected its file is renamed to a spare
 and reused for the next version (its pages are already allocated and mapped: fresh tmpfs
-pages cost one fault per 4 KiB, ~0.25 s/GB here), but only when no subscriber holds a read
+pages cost one fault per 4 KiB), but only when no subscriber holds a read
 lease on it (:mod:`streamrl.weights.lease`): a leased file is kept (``ShmStore.retained``)
 and recycled at a later GC, so bytes a subscriber verified never change under its engine.
 
@@ -126,8 +126,8 @@ class ShmStore:
         self._warned: set[int] = set()  # retained versions already logged
         # Freed files, oldest first. More than one: a version leased at its GC is freed at the
         # next GC together with the version after it; with a single spare, every other version
-        # then got a fresh file: 538 MB of new pages to fault in (~0.13 s at 0.25 s/GB) and to
-        # page-lock, against a 0.03 s publish.
+        # would get a fresh file, whose pages must all be faulted in and page-locked: several
+        # times the cost of the publish itself.
         self._spares: list[VersionFile] = []
 
     def path(self, version: int) -> Path:

@@ -35,14 +35,16 @@ import os
 import time
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from streamrl.coord.coordinator import Coordinator
 from streamrl.weights import lease, pinning
+from streamrl.weights.collective import CollectiveReceiver
 from streamrl.weights.layout import ChecksumError, Layout, checksum_region
-from streamrl.weights.publisher import host_id
+from streamrl.weights.publisher import COLLECTIVE_PLANES, host_id
 from streamrl.weights.store import ReaderCache
 from streamrl.weights.zmq_plane import BucketClient
 
@@ -75,22 +77,40 @@ def intra_op_threads(n: int | None):
         torch.set_num_threads(prev)
 
 
+@dataclass
+class _Fetch:
+    """One point-to-point fetch in progress: buckets announced (index -> checksum), requested
+    (ZeroMQ) and verified (index -> uint8 [nbytes] view)."""
+
+    version: int
+    manifest: dict
+    layout: Layout
+    store: torch.Tensor | None
+    """uint8 [total bytes] over the same-host store file; None: buckets come over ZeroMQ."""
+    known: dict[int, str]
+    bufs: dict[int, torch.Tensor] = field(default_factory=dict)
+    tries: dict[int, int] = field(default_factory=dict)
+    requested: set[int] = field(default_factory=set)
+    after: str = "0"
+    """Redis stream id of the last bucket announcement read."""
+    wait_s: float = 0.0
+    verify_s: float = 0.0
+
+
 class WeightSubscriber:
     """Fetch verified versions for one rollout worker."""
 
     def __init__(self, coord: Coordinator, plane: str = "auto", streams: int = 2, retries: int = 2,
                  timeout_s: float = 120.0, collective_rank: int | None = None, device: str = "cpu",
-                 pin_store: bool | None = None, verify_threads: int | None = None, lease_reads: bool = True):
+                 pin_store: bool | None = None, verify_threads: int | None = None):
         """``device``: where the engine's weights live; with a CUDA device (or ``pin_store``)
         same-host store mappings are page-locked so the engine's load is a DMA from them.
-        ``verify_threads``: torch threads for the checksums (None: the process setting).
-        ``lease_reads=False`` drops the store read lease: the old, racy path, kept only so tests
-        can show the race they guard against."""
+        ``verify_threads``: torch threads for the checksums (None: the process setting)."""
         if plane not in SUB_PLANES:
             raise ValueError(f"weights subscriber plane {plane!r} is unknown; choose one of {SUB_PLANES}")
         if verify_threads is not None and verify_threads < 1:
             raise ValueError(f"weights verify_threads = {verify_threads}: must be >= 1")
-        self.verify_threads, self.lease_reads = verify_threads, lease_reads
+        self.verify_threads = verify_threads
         self.coord, self.plane, self.streams = coord, plane, streams
         self.retries, self.timeout_s = retries, timeout_s
         self.loaded_version = -1
@@ -131,10 +151,8 @@ class WeightSubscriber:
             return self._fetch(version)
 
     def _open_store(self, path: str, total: int) -> torch.Tensor:
-        """uint8 [total] over the version's store file; with ``lease_reads`` it holds a read
-        lease that lives as long as any view of it. Raises FileNotFoundError when gone."""
-        if not self.lease_reads:
-            return self._readers.open(path, total).buf
+        """uint8 [total] over the version's store file, holding a read lease that lives as long
+        as any view of it. Raises FileNotFoundError when gone."""
         fd, key = lease.acquire_read(path)  # before reading a byte: see streamrl.weights.lease
         try:
             vf = self._readers.open(path, total, expect=key)
@@ -149,92 +167,103 @@ class WeightSubscriber:
         manifest = self.coord.manifest(version)
         if manifest is None:
             return None
-        if manifest.get("plane") in ("nccl", "gloo"):
+        if manifest.get("plane") in COLLECTIVE_PLANES:
             return self._fetch_collective(version, manifest, t0)
+        f = self._begin_fetch(version, manifest)
+        if f is None:
+            return None
+        n = len(f.layout.buckets)
+        deadline = time.monotonic() + self.timeout_s
+        while len(f.bufs) < n:
+            if time.monotonic() > deadline or not self._learn_announced(f):
+                return None
+            for i, buf in self._arrived(f):
+                if not self._accept(f, i, buf):
+                    return None
+        self.timings = {"weights/wait_s": f.wait_s, "weights/transfer_s": time.perf_counter() - t0,
+                        "weights/verify_s": f.verify_s, "weights/bytes": float(f.layout.total_bytes)}
+        return (pair for i in range(n) for pair in f.layout.views(i, f.bufs[i]))
+
+    def _begin_fetch(self, version: int, manifest: dict) -> _Fetch | None:
+        """Open the version's same-host store file, or connect to its publisher's bucket server.
+        None when the store file is already gone."""
         layout = Layout.from_manifest(manifest)
         layout.check()
-        use_shm = self.plane == "shm" or (self.plane == "auto" and manifest.get("host") == self.host)
-        if use_shm:
+        store = None
+        if self.plane == "shm" or (self.plane == "auto" and manifest.get("host") == self.host):
             try:
                 store = self._open_store(manifest["path"], layout.total_bytes)
             except FileNotFoundError:  # collected (or recycled) before we got to it
                 return None
-        else:
-            if self._client is None or self._client.endpoint != manifest["endpoint"]:
-                if self._client is not None:
-                    self._client.close()
-                self._client = BucketClient(manifest["endpoint"], self.streams)
-        n = len(layout.buckets)
-        known: dict[int, str] = {}
+        elif self._client is None or self._client.endpoint != manifest["endpoint"]:
+            if self._client is not None:
+                self._client.close()
+            self._client = BucketClient(manifest["endpoint"], self.streams)
+        known = {}
         if manifest["state"] == "complete":
             known = {i: b["checksum"] for i, b in enumerate(layout.buckets)}
-        bufs: dict[int, torch.Tensor] = {}
-        tries = {i: 0 for i in range(n)}
-        verify_s = wait_s = 0.0
-        after = "0"
-        requested: set[int] = set()
-        deadline = time.monotonic() + self.timeout_s
-        while len(bufs) < n:
-            if time.monotonic() > deadline:
-                return None
-            if len(known) < n and (use_shm or not self._client.pending()):
-                tw = time.perf_counter()
-                events, after = self.coord.bucket_events(version, after, block_ms=200)
-                wait_s += time.perf_counter() - tw
-                known.update(dict(events))
-                if not events and self.coord.manifest(version) is None:
-                    return None  # garbage-collected while we waited
-            elif len(known) < n:  # drain fast announcements without blocking the transfer
-                events, after = self.coord.bucket_events(version, after, block_ms=None)
-                known.update(dict(events))
-            arrived: list[tuple[int, torch.Tensor | None]] = []
-            if use_shm:
-                for i in sorted(set(known) - set(bufs)):
-                    b = layout.buckets[i]
-                    arrived.append((i, store[b["offset"]: b["offset"] + b["nbytes"]]))
-            else:
-                for i in sorted(set(known) - requested):
-                    self._client.request(version, i)
-                    requested.add(i)
-                for v, i, data in self._client.poll(50 if self._client.pending() else 0):
-                    if v == version:
-                        arrived.append((i, None if data is None else _as_tensor(data)))
-            for i, buf in arrived:
-                if buf is None:
-                    return None  # the publisher no longer holds this version
-                tv = time.perf_counter()
-                ok = checksum_region(buf, manifest["checksum"]) == known[i]
-                verify_s += time.perf_counter() - tv
-                if ok:
-                    bufs[i] = buf
-                    # A received bucket is private, pageable memory: page-lock it for a GPU
-                    # engine (~35 ms/GB, overlapping the transfer) so its load is a DMA.
-                    if not use_shm and self._pin_frames:
-                        if pinning.register(buf):
-                            self._pinned_frames.append(buf)
-                        else:
-                            self._pin_frames = False  # e.g. the locked-memory limit: stay pageable
-                    continue
-                self.checksum_failures += 1
-                if self.coord.manifest(version) is None:
-                    return None  # collected (and its file recycled) while we read it
-                tries[i] += 1
-                if tries[i] > self.retries:
-                    raise ChecksumError(f"weights v{version} bucket {i} failed its checksum "
-                                        f"{tries[i]} times; not loading")
-                requested.discard(i)  # zmq: asked again next round; shm: re-read next round
-        self.timings = {"weights/wait_s": wait_s, "weights/transfer_s": time.perf_counter() - t0,
-                        "weights/verify_s": verify_s, "weights/bytes": float(layout.total_bytes)}
+        return _Fetch(version, manifest, layout, store, known)
 
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for i in range(n):
-                yield from layout.views(i, bufs[i])
+    def _learn_announced(self, f: _Fetch) -> bool:
+        """Add the buckets the publisher announced since the last call to ``f.known``: blocking
+        briefly when there is nothing to transfer meanwhile. False when the version was collected."""
+        if len(f.known) == len(f.layout.buckets):
+            return True
+        if f.store is not None or not self._client.pending():
+            tw = time.perf_counter()
+            events, f.after = self.coord.bucket_events(f.version, f.after, block_ms=200)
+            f.wait_s += time.perf_counter() - tw
+            f.known.update(dict(events))
+            return bool(events) or self.coord.manifest(f.version) is not None  # else collected while we waited
+        # Drain fast announcements without blocking the transfer.
+        events, f.after = self.coord.bucket_events(f.version, f.after, block_ms=None)
+        f.known.update(dict(events))
+        return True
 
-        return tensors()
+    def _arrived(self, f: _Fetch) -> list[tuple[int, torch.Tensor | None]]:
+        """Announced buckets now readable: store slices (same host), or ZeroMQ replies to the
+        requests sent for every newly announced bucket (None: the publisher no longer has it)."""
+        if f.store is not None:
+            spans = ((i, f.layout.buckets[i]) for i in sorted(set(f.known) - set(f.bufs)))
+            return [(i, f.store[b["offset"]: b["offset"] + b["nbytes"]]) for i, b in spans]
+        for i in sorted(set(f.known) - f.requested):
+            self._client.request(f.version, i)
+            f.requested.add(i)
+        return [(i, None if data is None else _as_tensor(data))
+                for v, i, data in self._client.poll(50 if self._client.pending() else 0) if v == f.version]
+
+    def _accept(self, f: _Fetch, i: int, buf: torch.Tensor | None) -> bool:
+        """Verify bucket ``i`` and keep it, or schedule its re-fetch. False when the version is
+        gone; raises :class:`ChecksumError` once its re-fetches are used up."""
+        if buf is None:
+            return False  # the publisher no longer holds this version
+        tv = time.perf_counter()
+        ok = checksum_region(buf, f.manifest["checksum"]) == f.known[i]
+        f.verify_s += time.perf_counter() - tv
+        if ok:
+            f.bufs[i] = buf
+            if f.store is None and self._pin_frames:
+                self._pin_frame(buf)
+            return True
+        self.checksum_failures += 1
+        if self.coord.manifest(f.version) is None:
+            return False  # collected (and its file recycled) while we read it
+        f.tries[i] = f.tries.get(i, 0) + 1
+        if f.tries[i] > self.retries:
+            raise ChecksumError(f"weights v{f.version} bucket {i} failed its checksum "
+                                f"{f.tries[i]} times; not loading")
+        f.requested.discard(i)  # zmq: asked again next round; shm: re-read next round
+        return True
+
+    def _pin_frame(self, buf: torch.Tensor) -> None:
+        """A received bucket is private, pageable memory: page-lock it for a GPU engine (overlapping
+        the transfer) so its load is a DMA; where that fails (the locked-memory limit) stay pageable."""
+        if pinning.register(buf):
+            self._pinned_frames.append(buf)
+        else:
+            self._pin_frames = False
 
     def _fetch_collective(self, version: int, manifest: dict, t0: float):
-        from streamrl.weights.collective import CollectiveReceiver
-
         if self._receiver is None:
             self._receiver = CollectiveReceiver(self.coord, manifest["collective"], self._collective_rank, self._device)
         got = self._receiver.take(version, self.timeout_s)

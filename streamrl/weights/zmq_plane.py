@@ -11,10 +11,6 @@ Subscribers only ask for buckets that Redis announced ready, and at most ``windo
 requests per stream are in flight, which bounds queued memory on both sides. A subscriber
 may open several streams (DEALER sockets) and spread buckets over them: on a multi-core
 host the kernel and libzmq I/O threads then move several buckets at once.
-
-Fault injection for tests: :meth:`BucketServer.corrupt_next` flips one byte in the next
-reply (in a copy, the store stays intact), so a subscriber sees a checksum mismatch and
-must re-fetch.
 """
 from __future__ import annotations
 
@@ -48,14 +44,9 @@ class BucketServer:
             ep = f"tcp://{advertise_host}:{ep.rsplit(':', 1)[1]}"
         self.endpoint = ep
         self.served_bytes = 0
-        self._corrupt = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="weights-zmq-server", daemon=True)
         self._thread.start()
-
-    def corrupt_next(self, n: int = 1) -> None:
-        """Test hook: flip a byte in the next ``n`` replies."""
-        self._corrupt += n
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -73,10 +64,6 @@ class BucketServer:
             data = self.lookup(v, i)
             head = json.dumps({"v": v, "i": i, "ok": data is not None}).encode()
             payload = data if data is not None else b""
-            if data is not None and self._corrupt > 0:
-                self._corrupt -= 1
-                payload = bytearray(data)
-                payload[len(payload) // 2] ^= 0xFF
             try:
                 self.sock.send_multipart([ident, head, payload], copy=False)
                 self.served_bytes += len(payload)

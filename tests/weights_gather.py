@@ -1,4 +1,4 @@
-"""Full tensors from the learner's sharded parameters, one at a time.
+"""Test helper: full tensors from sharded parameters, one at a time (the publish test's learner).
 
 FSDP2 parameters are DTensors (``Shard(0)`` over the ``dp`` mesh dim); expert-parallel
 experts are either DTensors sharded over an ``ep`` mesh dim too (any placements:
