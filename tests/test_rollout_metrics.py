@@ -9,11 +9,11 @@ import torch
 from streamrl.config import load_config
 from streamrl.engines.factory import build_engine
 from streamrl.models.factory import build_model
+from streamrl.rollout.factory import build_roller
 from streamrl.rollout.metrics import versions_spanned
 from streamrl.tasks import get_task
 from streamrl.tasks.registry import problem_stream
 from streamrl.trajectory import validate_trajectories
-from streamrl.rollout.factory import build_roller
 from tests.test_inflight_updates import TEMP, TOL, _new_head, _switch_at, _tf_logprobs
 
 

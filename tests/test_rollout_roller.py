@@ -11,11 +11,11 @@ from streamrl.engines.factory import build_engine
 from streamrl.engines.hf import HFEngine
 from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.models.factory import build_model
+from streamrl.rollout.factory import build_roller
+from streamrl.rollout.prompts import PromptEncoder
 from streamrl.tasks import get_task
 from streamrl.tasks.registry import problem_stream
 from streamrl.trajectory import validate_trajectories
-from streamrl.rollout.prompts import PromptEncoder
-from streamrl.rollout.factory import build_roller
 
 
 def _cfg(*extra):

@@ -8,7 +8,7 @@ For each (engine, model) pair the same pre-drawn prompt batches go through
 
 alternating bare/loop batch by batch (and which goes first) so machine-load drift and
 prefix-cache hits favour neither. ``ratio_vs_bare_engine`` = median per-batch tokens/s of
-the loop / that of the bare engine (the issue asks >= 0.9); ``ratio_of_totals`` uses sums.
+the loop / that of the bare engine (the target is >= 0.9); ``ratio_of_totals`` uses sums.
 ``--eval N`` adds greedy exact-answer accuracy on N held-out arithmetic problems.
 
 With ``--engines hf_fast`` the row also compares shared-prompt groups (each prompt prefilled

@@ -48,7 +48,8 @@ class EpisodeBatchRoller:
         batch's monitor figures in ``last_metrics``.
 
         ``between_steps``: in-flight updates inside a turn (engines hf_fast, vllm), as in
-        :class:`~streamrl.rollout.batch.BatchRoller`; ``version`` stamps the turns when there is no ``before_turn`` hook.
+        :class:`~streamrl.rollout.batch.BatchRoller`; ``version`` stamps the turns when there is
+        no ``before_turn`` hook.
         """
         started = time.perf_counter()
         problems = [next(self.problems) for _ in range(self.prompts_per_batch)]
