@@ -36,7 +36,7 @@ from streamrl.config import Config, load_config
 from streamrl.rewards import CombinedReward, build_reward, response_texts
 from streamrl.tasks import build_task
 from streamrl.tasks.datasets import load_problems
-from streamrl.tasks.prompts import PromptEncoder
+from streamrl.rollout.prompts import PromptEncoder
 from streamrl.tasks.registry import Problem, eval_problems
 
 CORRECT = 1.0 - 1e-6  # a response is correct when its eval reward reaches 1 (float slack)

@@ -66,12 +66,14 @@ def check_draws_follow_recorded(eng, prompt: list[int], n: int = 1000) -> float:
 def test_folder_generation_config_is_not_applied(folder, engine):
     from streamrl.engines.hf import HFEngine
     from streamrl.engines.hf_fast import FastHFEngine
+    from streamrl.engines.hf_fast_config import FastHFConfig
 
     model, tok = load_model_and_tokenizer(ModelConfig(path=folder))
     assert model.generation_config.repetition_penalty == 3.0  # the folder really asks for it
     reference = load_model_and_tokenizer(ModelConfig(path=folder))[0].eval()
     prompts = _prompts(tok)
-    eng = HFEngine(model, tok) if engine == "hf" else FastHFEngine(model, tok, batch_size=200, max_seq_len=64)
+    eng = HFEngine(model, tok) if engine == "hf" else FastHFEngine(model, tok, FastHFConfig(batch_size=200,
+                                                                                            max_seq_len=64))
     torch.manual_seed(0)
     check_tempered(reference, prompts, eng.generate(prompts, 16, TEMP))
     check_draws_follow_recorded(eng, prompts[0])

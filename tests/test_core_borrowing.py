@@ -3,7 +3,7 @@ while the learner's published phase says it waits for data, gives them back with
 step once it says busy, and never borrows while the learner borrows the worker's.
 
 Real Redis, the real rollout worker and hf_fast engine; the decode steps are released one at a
-time by the test (a semaphore in front of ``engine._step``) so each step's thread count is read
+time by the test (a semaphore in front of ``engine.decode_step``) so each step's thread count is read
 at a known learner phase. Every check waits on state (offers, worker state), never on a sleep."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class SteppedDecode:
 
     def __init__(self, worker):
         self.go, self.seen, self.free = threading.Semaphore(0), queue.Queue(), threading.Event()
-        engine, real_step, real_hook = worker.engine, worker.engine._step, worker._step_hook
+        engine, real_step, real_hook = worker.engine, worker.engine.decode_step, worker._step_hook
 
         def held_hook():
             if not self.free.is_set():
@@ -49,7 +49,7 @@ class SteppedDecode:
             self.seen.put(torch.get_num_threads())
             real_step(span, greedy)
 
-        worker._step_hook, engine._step = held_hook, recorded_step
+        worker._step_hook, engine.decode_step = held_hook, recorded_step
 
     def step(self) -> int:
         self.go.release()

@@ -12,6 +12,7 @@ from streamrl.engines import dense_experts
 from streamrl.engines.dense_experts import (DENSE, DENSE_CPU_MAX_EXTRA_FLOP, DENSE_MAX_TOKENS, dense_experts_forward,
                                              dense_extra_flop)
 from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
 from streamrl.models import build_model
 
 
@@ -73,7 +74,7 @@ def test_on_cpu_calls_that_would_add_many_flops_go_sparse(monkeypatch):
 
 def test_auto_picks_the_dense_experts_on_cpu_and_they_decode_the_tiny_model_densely(monkeypatch):
     model, tok = build_model(ModelConfig(), seed=1)
-    eng = FastHFEngine(model.eval(), tok, batch_size=32, max_seq_len=64)
+    eng = FastHFEngine(model.eval(), tok, FastHFConfig(batch_size=32, max_seq_len=64))
     assert eng.experts_impl == DENSE
     cfg = model.config  # the tiny model: 32 rows add 1.6 MFLOP a layer
     assert dense_extra_flop(32, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
@@ -93,9 +94,10 @@ def test_engine_with_dense_experts_decodes_what_the_sparse_engine_decodes():
     model.eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (3, 7, 5, 9, 4)]
-    ref = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, record_routing=True,
-                       experts_implementation=None).generate(prompts, 10, 0.0)
-    eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, record_routing=True, experts_implementation=DENSE)
+    ref = FastHFEngine(model, tok, FastHFConfig(batch_size=3, max_seq_len=32, record_routing=True,
+                       experts_implementation=None)).generate(prompts, 10, 0.0)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=3, max_seq_len=32, record_routing=True,
+                                                experts_implementation=DENSE))
     got = eng.generate(prompts, 10, 0.0)
     assert got.tokens == ref.tokens
     for a, b in zip(got.logprobs, ref.logprobs):
@@ -103,6 +105,6 @@ def test_engine_with_dense_experts_decodes_what_the_sparse_engine_decodes():
     assert all(torch.equal(a, b) for a, b in zip(got.routed_experts, ref.routed_experts))
     with torch.no_grad(), eng._impl():
         eng.max_new.fill_(4)
-        eng._prefill([0, 1, 2], prompts[:3], True)
+        eng.prefill([0, 1, 2], prompts[:3], True)
         explained = torch._dynamo.explain(eng._decode)(32, True)
     assert explained.graph_count == 1 and explained.graph_break_count == 0

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from streamrl.config import ModelConfig
 from streamrl.engines.hf import HFEngine
 from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
 from streamrl.models.factory import build_model, save_model
 from streamrl.models.tokenizer import build_char_tokenizer
 
@@ -117,7 +118,8 @@ def test_hf_fast_on_grouped_query_shapes(arch, ratio, head_dim, decode_attention
     model, tok = shaped_model(arch, ratio, head_dim)
     prompts = prompts_with_a_group()
     # 2 slots for 5 prompts: refills happen, and the group's prompt is prefilled for its siblings
-    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=64, eos_token_id=-1, decode_attention=decode_attention)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=64, eos_token_id=-1,
+                                                decode_attention=decode_attention))
     torch.manual_seed(0)
     assert_behaviour_logprobs(model, prompts, eng.generate(prompts, 8, TEMP), TEMP)
     assert_greedy(model, prompts, eng.generate(prompts, 8, 0.0))
@@ -163,7 +165,7 @@ def test_smol_folder_on_both_transformers_engines():
     texts = ["What is 12 + 7?", "Name a colour.", "Count to three:"]
     prompts = [tok.encode(t) for t in texts]
     prompts = [prompts[0]] * 2 + prompts
-    fast = FastHFEngine(model, tok, batch_size=3, max_seq_len=64)
+    fast = FastHFEngine(model, tok, FastHFConfig(batch_size=3, max_seq_len=64))
     torch.manual_seed(0)
     assert_behaviour_logprobs(model, prompts, fast.generate(prompts, 12, TEMP), TEMP)
     assert_greedy(model, prompts, fast.generate(prompts, 12, 0.0))

@@ -1,4 +1,4 @@
-"""Multi-turn episodes with tools (issue 21): the calculator, tool-call parsing, bounded tools,
+"""Multi-turn episodes with tools: the calculator, tool-call parsing, bounded tools,
 and the episode driver on a real engine (tiny random model, character tokenizer, ``hf`` engine).
 """
 from __future__ import annotations
@@ -310,6 +310,7 @@ def test_hf_fast_versions_change_inside_and_between_turns():
 
     from streamrl.engines.hf import HFEngine
     from streamrl.engines.hf_fast import FastHFEngine
+    from streamrl.engines.hf_fast_config import FastHFConfig
     from streamrl.models.factory import build_model
 
     model, tok = build_model(ModelConfig(max_positions=256), seed=7)
@@ -319,7 +320,8 @@ def test_hf_fast_versions_change_inside_and_between_turns():
            for n, p in model.named_parameters()]
     v1 = copy.deepcopy(model).eval()
     v1.load_state_dict(dict(new), strict=False)
-    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=128, eos_token_id=-1)  # turns run to the token cap
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=128,
+                                                eos_token_id=-1))  # turns run to the token cap
     calls, loaded = [], [10]
 
     def between_steps():  # the update arrives before decode step 3 of the first turn

@@ -1,4 +1,4 @@
-"""streamrl-monitor shows multi-turn tool runs (issue 21): turns per episode, tool-call rate,
+"""streamrl-monitor shows multi-turn tool runs: turns per episode, tool-call rate,
 tool calls, errors, timeouts and latency, from the ``env/...`` metrics rollout workers write."""
 from __future__ import annotations
 

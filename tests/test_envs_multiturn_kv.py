@@ -10,6 +10,7 @@ import torch
 
 from streamrl.config import ModelConfig
 from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
 from streamrl.envs.base import FunctionEnv, StepResult
 from streamrl.envs.episode import EpisodeLimits, episode_metrics, run_episodes
 from streamrl.envs.render import PlainTextRenderer
@@ -59,7 +60,7 @@ def test_kv_reuse_gives_the_episodes_of_full_reprefill_with_fewer_prefilled_toke
     those of full re-prefill, only each turn's new tokens are prefilled, and every session is
     released when its episode ends."""
     model, tok = tiny
-    eng = FastHFEngine(model, tok, batch_size=8, max_seq_len=64, kv_cache=kv, block_size=8)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=8, max_seq_len=64, kv_cache=kv, block_size=8))
     turns = [2, 4, 3, 4, 2]
     reused = _play(eng, tok, turns)
     full = _play(eng, tok, turns, reuse_kv=False)
@@ -80,7 +81,7 @@ def test_reused_kv_keeps_seeded_samples_and_teacher_forced_logprobs(tiny):
     """Seeded sampling, two turns each: the same episodes with and without reuse, and every model
     token's behaviour log-prob equals teacher forcing over the whole conversation."""
     model, tok = tiny
-    eng = FastHFEngine(model, tok, batch_size=8, max_seq_len=64)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=8, max_seq_len=64))
     reused = _play(eng, tok, [2] * 4, temperature=1.0, seed=3)
     _same_episodes(reused, _play(eng, tok, [2] * 4, temperature=1.0, seed=3, reuse_kv=False))
     assert episode_metrics(reused)["env/prefill_tokens_saved"] > 0
@@ -111,7 +112,7 @@ def test_lanes_generate_while_other_episodes_tools_run(tiny):
     """Two lanes, a 0.5 s tool: the second lane's first turn is generated while the first lane's
     tools run, and the episodes (complete, in order) equal those of one lane."""
     model, tok = tiny
-    eng = FastHFEngine(model, tok, batch_size=8, max_seq_len=64)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=8, max_seq_len=64))
     limits = EpisodeLimits(max_turns=3, max_turn_tokens=5, max_response_tokens=48)
     runs = {}
     for lanes in (1, 2):

@@ -1,4 +1,4 @@
-"""The rollout worker plays multi-turn tool episodes (issue 21): the ``env`` config section, the
+"""The rollout worker plays multi-turn tool episodes: the ``env`` config section, the
 worker wiring (real Redis, a real weights publisher, the worker's own roller and engine), the
 learner's loss mask on the worker's trajectories, bounded tools, and version changes between
 turns. Plug-in environments: tests/env_plugins.py.

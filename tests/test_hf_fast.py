@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from streamrl.config import ModelConfig
 from streamrl.engines.hf_fast import FastHFEngine, sample_tokens
+from streamrl.engines.hf_fast_config import FastHFConfig
 from streamrl.models import build_model
 
 MAX_NEW = 10
@@ -52,7 +53,7 @@ def test_greedy_equals_generate_with_refill(tiny):
     # The random model rarely draws its EOS: stop on a token one greedy response draws
     # mid-way instead, so rows finish at different steps.
     eos = _reference(model, tok, prompts[0], MAX_NEW)[0][MAX_NEW // 2]
-    eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, sync_every=3, eos_token_id=eos)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=3, max_seq_len=32, sync_every=3, eos_token_id=eos))
     got = eng.generate(prompts, MAX_NEW, temperature=0.0)
     lengths = set()
     for i, p in enumerate(prompts):
@@ -69,7 +70,7 @@ def test_sampled_logprobs_match_teacher_forced(tiny):
     prompts = _prompts(4, seed=1)
     for top_k, temp in ((0, 0.7), (5, 1.3)):
         torch.manual_seed(0)
-        eng = FastHFEngine(model, tok, batch_size=4, max_seq_len=32, top_k=top_k)
+        eng = FastHFEngine(model, tok, FastHFConfig(batch_size=4, max_seq_len=32, top_k=top_k))
         got = eng.generate(prompts, MAX_NEW, temperature=temp)
         for p, resp, lp in zip(prompts, got.tokens, got.logprobs):
             z = _teacher_forced_logits(model, p, resp) / temp
@@ -107,7 +108,7 @@ def test_sampler_in_scratch_draws_the_same_tokens_and_logprobs(top_k, top_p):
 def test_routing_recorded_per_token(tiny):
     model, tok = tiny
     prompts = _prompts(3, seed=2)
-    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=32, record_routing=True)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=32, record_routing=True))
     got = eng.generate(prompts, MAX_NEW, temperature=1.0)
     seen: list[torch.Tensor] = []
     hooks = [r.register_forward_hook(lambda m, a, o: seen.append(o[2])) for r in eng.routers]
@@ -128,7 +129,7 @@ def test_weight_update_in_place_and_no_stale_kv(tiny):
     _, tok = tiny
     model_a, _ = build_model(ModelConfig(), seed=1)
     model_b, _ = build_model(ModelConfig(), seed=2)
-    eng = FastHFEngine(model_a, tok, batch_size=3, max_seq_len=40)
+    eng = FastHFEngine(model_a, tok, FastHFConfig(batch_size=3, max_seq_len=40))
     ptrs = {n: p.data_ptr() for n, p in eng.model.named_parameters()}
     long_prompts = _prompts(3, seed=3, lo=20, hi=28)   # fill many cache positions with A's K/V
     short_prompts = _prompts(3, seed=4, lo=3, hi=6)
@@ -136,7 +137,7 @@ def test_weight_update_in_place_and_no_stale_kv(tiny):
     eng.load_weights(model_b.named_parameters())
     after = eng.generate(short_prompts, MAX_NEW, temperature=0.0)
     assert {n: p.data_ptr() for n, p in eng.model.named_parameters()} == ptrs
-    fresh = FastHFEngine(model_b, tok, batch_size=3, max_seq_len=40).generate(short_prompts, MAX_NEW, 0.0)
+    fresh = FastHFEngine(model_b, tok, FastHFConfig(batch_size=3, max_seq_len=40)).generate(short_prompts, MAX_NEW, 0.0)
     assert after.tokens == fresh.tokens
     torch.testing.assert_close(torch.tensor(sum(after.logprobs, [])), torch.tensor(sum(fresh.logprobs, [])),
                                atol=1e-6, rtol=0)
@@ -147,7 +148,7 @@ def test_weight_update_in_place_and_no_stale_kv(tiny):
 
 def test_bad_updates_and_inputs_raise_without_side_effects(tiny):
     model, tok = tiny
-    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=16)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=16))
     snapshot = {n: p.clone() for n, p in eng.model.named_parameters()}
     items = [(n, torch.zeros_like(p)) for n, p in eng.model.named_parameters()]
     with pytest.raises(KeyError):
@@ -163,7 +164,7 @@ def test_bad_updates_and_inputs_raise_without_side_effects(tiny):
     with pytest.raises(ValueError, match="temperature"):
         eng.generate([[5]], 2, -1.0)
     with pytest.raises(ValueError, match="batch_size"):
-        FastHFEngine(model, tok, batch_size=0)
+        FastHFEngine(model, tok, FastHFConfig(batch_size=0))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -175,7 +176,7 @@ def test_shared_prompt_groups_equal_separate_prefills(tiny, temperature):
     prompts = [p for p in groups for _ in range(4)]
     runs = {}
     for share in (True, False):
-        eng = FastHFEngine(model, tok, batch_size=5, max_seq_len=40, share_prompts=share, sync_every=2)
+        eng = FastHFEngine(model, tok, FastHFConfig(batch_size=5, max_seq_len=40, share_prompts=share, sync_every=2))
         torch.manual_seed(0)
         runs[share] = (eng.generate(prompts, MAX_NEW, temperature=temperature), eng.prefill_tokens)
     (shared, n_shared), (separate, n_separate) = runs[True], runs[False]
@@ -196,7 +197,7 @@ def test_per_request_caps_and_stop_strings(tiny):
     tokens and log-probs kept are those of the uncut run (cut rows free their slots early)."""
     model, tok = tiny
     prompts = _prompts(5, seed=7)
-    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=48, sync_every=3, eos_token_id=-1)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=48, sync_every=3, eos_token_id=-1))
     full = eng.generate(prompts, 20, 0.0)
     caps = [3, 20, 1, 9, 14]
     capped = eng.generate(prompts, 20, 0.0, max_tokens=caps)
@@ -213,7 +214,7 @@ def test_per_request_caps_and_stop_strings(tiny):
     with pytest.raises(ValueError, match="max_tokens"):
         eng.generate(prompts, 5, 0.0, max_tokens=[1, 2])
     with pytest.raises(ValueError, match="stop"):
-        FastHFEngine(model, None, batch_size=2, max_seq_len=48).generate(prompts, 5, 0.0, stop=["x"])
+        FastHFEngine(model, None, FastHFConfig(batch_size=2, max_seq_len=48)).generate(prompts, 5, 0.0, stop=["x"])
 
 
 def test_bench_reports_ratio():
@@ -228,7 +229,7 @@ def test_group_bench_shares_prefill_and_matches_generate(tiny):
     from streamrl.bench.hf_fast import bench_groups
 
     model, tok = tiny
-    eng = FastHFEngine(model, tok, batch_size=6, max_seq_len=40)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=6, max_seq_len=40))
     res = bench_groups(eng, _prompts(2, seed=8), group_size=3, new_tokens=6, repeats=1)
     assert res["greedy_tokens_equal"] and res["greedy_sequences_equal"] == "6/6"
     assert res["prompt_tokens_prefilled"] * 3 == res["prompt_tokens"]
@@ -247,8 +248,8 @@ def test_gpu_graphs_parity_and_update_without_recapture(decode_attention):
     model_a, tok = build_model(ModelConfig(), seed=1)
     model_b, _ = build_model(ModelConfig(), seed=2)
     model_b = model_b.cuda()
-    eng = FastHFEngine(model_a, tok, device="cuda", batch_size=3, max_seq_len=40, span_bucket=16,
-                       record_routing=True, decode_attention=decode_attention)
+    eng = FastHFEngine(model_a, tok, FastHFConfig(device="cuda", batch_size=3, max_seq_len=40, span_bucket=16,
+                       record_routing=True, decode_attention=decode_attention))
     prompts = _prompts(7)
     got = eng.generate(prompts, MAX_NEW, temperature=0.0)
     assert eng.captures > 0
@@ -279,10 +280,11 @@ def test_compiled_decode_traces_one_graph_for_every_layer(tiny):
     model, tok = tiny
     assert len(model.model.layers) >= 2  # a graph per layer would show as more graphs
     prompts = _prompts(3, seed=5)
-    ref = FastHFEngine(model, tok, batch_size=2, max_seq_len=32, record_routing=True).generate(prompts, 8, 0.0)
+    config = FastHFConfig(batch_size=2, max_seq_len=32, record_routing=True)
+    ref = FastHFEngine(model, tok, config).generate(prompts, 8, 0.0)
     torch._dynamo.reset()
     counters.clear()
-    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=32, record_routing=True)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=32, record_routing=True))
     eng._compile_decode()
     got = eng.generate(prompts, 8, 0.0)
     # the layer: one graph with the first span, one with the span symbolic; the tail: one
@@ -302,12 +304,12 @@ def test_compiled_decode_step_compiles_at_most_twice_over_spans(tiny):
     spans = [16, 24, 32, 40]
 
     def decode(compiled: bool) -> list[torch.Tensor]:
-        eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=48, compile=compiled)
+        eng = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=48, compile=compiled))
         if compiled:
             eng._compile_decode()
         with torch.no_grad(), eng._impl():
             eng.max_new.fill_(len(spans))
-            eng._prefill([0, 1], prompts, True)
+            eng.prefill([0, 1], prompts, True)
             for span in spans:
                 eng._decode(span, True)
         return [eng.out_tok.clone(), eng.out_lp.clone()]
@@ -327,8 +329,8 @@ def test_eager_steps_run_only_the_live_rows(tiny):
     model, tok = tiny
     prompts = _prompts(4, seed=3)
     caps = [2, MAX_NEW, 5, MAX_NEW]
-    eng = FastHFEngine(model, tok, batch_size=4, max_seq_len=32, sync_every=MAX_NEW, eos_token_id=-1,
-                       record_routing=True)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=4, max_seq_len=32, sync_every=MAX_NEW, eos_token_id=-1,
+                       record_routing=True))
     stepped: list[int] = []
     layers = eng._layers
     eng._layers = lambda x, mask, pos_ids: (stepped.append(x.shape[0]), layers(x, mask, pos_ids))[1]

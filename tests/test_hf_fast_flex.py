@@ -6,6 +6,7 @@ import torch
 
 from streamrl.config import ModelConfig
 from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
 from streamrl.engines.static_kv import FLEX_BLOCK
 from streamrl.models import build_model
 
@@ -21,7 +22,8 @@ def _decode(model, tok, attention: str, compiled: bool = False):
     # prompts of 100..250 tokens and 40 new ones: rows sit in different blocks and cross block borders;
     # 5 prompts through 3 slots: a refilled slot attends only its new sequence's blocks
     prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (100, 250, 120, 126, 170)]
-    eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=300, sync_every=4, decode_attention=attention)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=3, max_seq_len=300, sync_every=4,
+                                                decode_attention=attention))
     if compiled:
         # a fresh dynamo cache: after other engines' compiled steps in this process, automatic dynamic
         # shapes would make this compile symbolic, which torch's CPU FlexAttention codegen fails on
@@ -50,15 +52,15 @@ def test_compiled_flex_decode_equals_sdpa(tiny_long):
     model, tok = tiny_long
     _, ref = _decode(model, tok, "sdpa")
     eng, got = _decode(model, tok, "flex", compiled=True)
-    assert eng._compiled and got.tokens == ref.tokens
+    assert eng.compiled and got.tokens == ref.tokens
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (3, 9, 6, 11)]
-    paged = {a: FastHFEngine(model, tok, batch_size=3, max_seq_len=32, kv_cache="paged", block_size=4,
-                             paged_attention=a).generate(prompts, 12, 0.0) for a in ("gather", "flex")}
+    paged = {a: FastHFEngine(model, tok, FastHFConfig(batch_size=3, max_seq_len=32, kv_cache="paged", block_size=4,
+                             paged_attention=a)).generate(prompts, 12, 0.0) for a in ("gather", "flex")}
     assert paged["flex"].tokens == paged["gather"].tokens
 
 
 def test_flex_decode_needs_the_static_cache():
     model, tok = build_model(ModelConfig(), seed=1)
     with pytest.raises(ValueError, match="decode_attention"):
-        FastHFEngine(model, tok, kv_cache="paged", decode_attention="flex")
+        FastHFEngine(model, tok, FastHFConfig(kv_cache="paged", decode_attention="flex"))

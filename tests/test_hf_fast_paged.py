@@ -7,6 +7,7 @@ import torch
 
 from streamrl.config import ModelConfig
 from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
 from streamrl.models import build_model
 from tests.test_hf_fast import _prompts, _reference
 
@@ -30,8 +31,8 @@ def test_paged_greedy_equals_generate_with_refill(tiny):
     model, tok = tiny
     prompts = _prompts(7)
     eos = _reference(model, tok, prompts[0], NEW)[0][NEW // 2]
-    eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, sync_every=3, eos_token_id=eos,
-                       kv_cache="paged", block_size=4)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=3, max_seq_len=32, sync_every=3, eos_token_id=eos,
+                       kv_cache="paged", block_size=4))
     got = eng.generate(prompts, NEW, temperature=0.0)
     for i, p in enumerate(prompts):
         ref_tok, ref_lp = _reference(model, tok, p, NEW, eos)
@@ -51,8 +52,8 @@ def test_paged_shared_prompts_reference_blocks(tiny, temperature):
     prompts = [p for p in groups for _ in range(4)]
     runs = {}
     for kv, share in (("static", True), ("paged", True), ("paged", False)):
-        eng = FastHFEngine(model, tok, batch_size=8, max_seq_len=40, sync_every=2, share_prompts=share,
-                           kv_cache=kv, block_size=4)
+        eng = FastHFEngine(model, tok, FastHFConfig(batch_size=8, max_seq_len=40, sync_every=2, share_prompts=share,
+                           kv_cache=kv, block_size=4))
         torch.manual_seed(0)
         runs[kv, share] = (eng.generate(prompts, NEW, temperature=temperature), eng.cache.peak_blocks)
     _same(runs["static", True][0], runs["paged", True][0])
@@ -66,30 +67,31 @@ def test_small_pool_preempts_and_recomputes(tiny):
     and the greedy result is still exactly the static engine's."""
     model, tok = tiny
     prompts = _prompts(7, seed=2)
-    ref = FastHFEngine(model, tok, batch_size=5, max_seq_len=40, sync_every=3, eos_token_id=-1).generate(
+    ref = FastHFEngine(model, tok, FastHFConfig(batch_size=5, max_seq_len=40, sync_every=3, eos_token_id=-1)).generate(
         prompts, 20, 0.0)
-    eng = FastHFEngine(model, tok, batch_size=5, max_seq_len=40, sync_every=3, eos_token_id=-1,
-                       kv_cache="paged", block_size=4, kv_blocks=12)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=5, max_seq_len=40, sync_every=3, eos_token_id=-1,
+                       kv_cache="paged", block_size=4, kv_blocks=12))
     _same(ref, eng.generate(prompts, 20, 0.0))
     assert eng.preemptions > 0 and eng.cache.peak_blocks <= 11
-    static_bytes = FastHFEngine(model, tok, batch_size=5, max_seq_len=40).cache.bytes()
+    static_bytes = FastHFEngine(model, tok, FastHFConfig(batch_size=5, max_seq_len=40)).cache.bytes()
     assert eng.cache.bytes() * (5 * 40) == static_bytes * (12 * 4)  # pool positions vs slots x max length
 
 
 def test_paged_inputs_validated(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="kv_cache"):
-        FastHFEngine(model, tok, batch_size=2, kv_cache="ring")
+        FastHFEngine(model, tok, FastHFConfig(batch_size=2, kv_cache="ring"))
     with pytest.raises(ValueError, match="span_bucket"):
-        FastHFEngine(model, tok, batch_size=2, kv_cache="paged", block_size=16, span_bucket=24)
-    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=64, kv_cache="paged", block_size=4, kv_blocks=5)
+        FastHFEngine(model, tok, FastHFConfig(batch_size=2, kv_cache="paged", block_size=16, span_bucket=24))
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=64, kv_cache="paged", block_size=4,
+                                                kv_blocks=5))
     with pytest.raises(ValueError, match="KV blocks"):
         eng.generate([[5] * 10], 10, 1.0)  # 20 positions: 5 blocks, the pool holds 4 (+ trash)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("attention", ["gather"])  # "flex" failed here on the H200 (session 7): refused on CUDA
+@pytest.mark.parametrize("attention", ["gather"])  # "flex" fails its parity here on CUDA: refused there
 def test_gpu_paged_graphs_equal_static(attention):
     """Captured paged decode (gather by block table, or FlexAttention over the pool) gives the
     static graphs' greedy tokens."""
@@ -97,8 +99,8 @@ def test_gpu_paged_graphs_equal_static(attention):
     prompts = _prompts(7)
     out = {}
     for kv in ("static", "paged"):
-        eng = FastHFEngine(model, tok, device="cuda", batch_size=3, max_seq_len=40, span_bucket=16,
-                           kv_cache=kv, block_size=8, paged_attention=attention if kv == "paged" else "gather")
+        eng = FastHFEngine(model, tok, FastHFConfig(device="cuda", batch_size=3, max_seq_len=40, span_bucket=16,
+                           kv_cache=kv, block_size=8, paged_attention=attention if kv == "paged" else "gather"))
         out[kv] = eng.generate(prompts + [prompts[0]] * 3, NEW, temperature=0.0)
         assert eng.captures > 0
     _same(out["static"], out["paged"], atol=1e-4)
@@ -168,18 +170,18 @@ def test_paged_flex_attention_equals_gather(tiny):
     prompts = _prompts(5) + [_prompts(1, seed=3)[0]] * 3
     out = {}
     for attention in ("gather", "flex"):
-        eng = FastHFEngine(model, tok, batch_size=3, max_seq_len=32, sync_every=3, kv_cache="paged", block_size=4,
-                           paged_attention=attention)
+        eng = FastHFEngine(model, tok, FastHFConfig(batch_size=3, max_seq_len=32, sync_every=3, kv_cache="paged",
+                                                    block_size=4, paged_attention=attention))
         out[attention] = eng.generate(prompts, NEW, temperature=0.0)
         assert eng.cache.free_blocks == eng.cache.num_blocks - 1
     _same(out["gather"], out["flex"])
     with pytest.raises(ValueError, match="paged_attention"):
-        FastHFEngine(model, tok, batch_size=2, max_seq_len=32, paged_attention="flex")  # static cache
+        FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=32, paged_attention="flex"))  # static cache
 
 
 def test_engine_refuses_flex_on_cuda_before_touching_the_device():
     """Placement can put a worker on CUDA whatever rollout.device says: the engine refuses too."""
     model, tok = build_model(ModelConfig(), seed=1)
     with pytest.raises(ValueError, match="paged_attention = 'flex'"):
-        FastHFEngine(model, tok, device="cuda", batch_size=2, max_seq_len=32, kv_cache="paged",
-                     paged_attention="flex")
+        FastHFEngine(model, tok, FastHFConfig(device="cuda", batch_size=2, max_seq_len=32, kv_cache="paged",
+                     paged_attention="flex"))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
 from tests.test_hf_fast import _prompts
 from tests.test_hf_fast_paged import _same, tiny  # noqa: F401 - tiny is a module-scoped fixture
 
@@ -31,9 +32,10 @@ def test_resumed_turn_equals_full_reprefill_and_prefills_only_new_tokens(tiny, k
     kw = dict(batch_size=6, max_seq_len=48, sync_every=2, kv_cache=kv, block_size=4)
     eos = -1
     if temperature == 0.0:  # greedy: end some rows early on a token a response draws mid-way
-        eos = FastHFEngine(model, tok, **kw, eos_token_id=-1).generate(prompts, NEW, 0.0).tokens[0][NEW // 2]
-    ref = FastHFEngine(model, tok, **kw, eos_token_id=eos)
-    eng = FastHFEngine(model, tok, **kw, eos_token_id=eos)
+        no_eos = FastHFEngine(model, tok, FastHFConfig(**kw, eos_token_id=-1))
+        eos = no_eos.generate(prompts, NEW, 0.0).tokens[0][NEW // 2]
+    ref = FastHFEngine(model, tok, FastHFConfig(**kw, eos_token_id=eos))
+    eng = FastHFEngine(model, tok, FastHFConfig(**kw, eos_token_id=eos))
     r1, ref_prompts, r2 = _two_turns(ref, prompts, temperature)
     ids = [f"ep{i}" for i in range(len(prompts))]
     g1, prompts2, g2 = _two_turns(eng, prompts, temperature, sessions=ids)
@@ -56,8 +58,8 @@ def test_evicted_session_falls_back_to_full_prefill(tiny):
     one, whose next turn is prefilled in full; both results equal the full re-prefill."""
     model, tok = tiny
     prompts = _prompts(3, seed=4, lo=3, hi=10)
-    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=48, eos_token_id=-1)
-    ref = FastHFEngine(model, tok, batch_size=2, max_seq_len=48, eos_token_id=-1)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=48, eos_token_id=-1))
+    ref = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=48, eos_token_id=-1))
     first = eng.generate(prompts[:2], NEW, 0.0, sessions=["a", "b"])
     eng.generate([prompts[2]], NEW, 0.0)  # no session: takes the slot of "a" (least recently kept)
     assert "a" not in eng.sessions and "b" in eng.sessions and eng.sessions.evictions == 1
@@ -73,17 +75,17 @@ def test_small_paged_pool_evicts_kept_sessions_before_preempting(tiny):
     model, tok = tiny
     prompts = _prompts(4, seed=5, lo=8, hi=12)
     kw = dict(batch_size=4, max_seq_len=40, eos_token_id=-1, kv_cache="paged", block_size=4)
-    eng = FastHFEngine(model, tok, **kw, kv_blocks=17)
+    eng = FastHFEngine(model, tok, FastHFConfig(**kw, kv_blocks=17))
     first = eng.generate(prompts, NEW, 0.0, sessions=list(range(4)))
     held = eng.cache.num_blocks - 1 - eng.cache.free_blocks
     assert held > 0 and len(eng.sessions) == 4
     other = _prompts(4, seed=6, lo=8, hi=12)
-    _same(FastHFEngine(model, tok, **kw).generate(other, NEW, 0.0), eng.generate(other, NEW, 0.0))
+    _same(FastHFEngine(model, tok, FastHFConfig(**kw)).generate(other, NEW, 0.0), eng.generate(other, NEW, 0.0))
     assert eng.sessions.evictions > 0 and eng.preemptions == 0
     nxt = [p + t + REPLY for p, t in zip(prompts, first.tokens)]
     got = eng.generate(nxt, NEW, 0.0, sessions=list(range(4)))
     assert 0 in got.cached_tokens  # an evicted session fell back to a full prefill
-    _same(FastHFEngine(model, tok, **kw).generate(nxt, NEW, 0.0), got, atol=1e-4)
+    _same(FastHFEngine(model, tok, FastHFConfig(**kw)).generate(nxt, NEW, 0.0), got, atol=1e-4)
 
 
 def test_diverging_prompt_reuses_the_common_prefix_only(tiny):
@@ -91,18 +93,19 @@ def test_diverging_prompt_reuses_the_common_prefix_only(tiny):
     to its budget) reuses the common prefix and recomputes the rest."""
     model, tok = tiny
     p = _prompts(1, seed=7, lo=6, hi=7)[0]
-    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=48, eos_token_id=-1, kv_cache="paged", block_size=4)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=48, eos_token_id=-1, kv_cache="paged",
+                                                block_size=4))
     first = eng.generate([p], NEW, 0.0, sessions=["s"])
     nxt = p + first.tokens[0][:2] + REPLY
     got = eng.generate([nxt], NEW, 0.0, sessions=["s"])
     assert got.cached_tokens == [len(p) + 2]
-    _same(FastHFEngine(model, tok, batch_size=2, max_seq_len=48, eos_token_id=-1).generate([nxt], NEW, 0.0), got,
-          atol=1e-4)
+    full = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=48, eos_token_id=-1))
+    _same(full.generate([nxt], NEW, 0.0), got, atol=1e-4)
 
 
 def test_sessions_validated(tiny):
     model, tok = tiny
-    eng = FastHFEngine(model, tok, batch_size=2, max_seq_len=32)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=2, max_seq_len=32))
     for bad in (["a"], ["a", "a"], ["a", None]):
         with pytest.raises(ValueError, match="sessions"):
             eng.generate([[3, 4], [5, 6]], 2, 0.0, sessions=bad)
@@ -115,7 +118,7 @@ def test_resuming_inside_a_shared_prompt_block_copies_it(tiny):
     model, tok = tiny
     p = _prompts(1, seed=8, lo=9, hi=10)[0]
     kw = dict(batch_size=2, max_seq_len=48, eos_token_id=-1, kv_cache="paged", block_size=4)
-    eng, ref = FastHFEngine(model, tok, **kw), FastHFEngine(model, tok, **kw)
+    eng, ref = FastHFEngine(model, tok, FastHFConfig(**kw)), FastHFEngine(model, tok, FastHFConfig(**kw))
     first = eng.generate([p, p], NEW, 0.0, sessions=["x", "y"])
     diverged = p[:6] + REPLY
     got_x = eng.generate([diverged], NEW, 0.0, sessions=["x"])

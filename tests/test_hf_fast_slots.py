@@ -90,11 +90,13 @@ def test_gpu_decode_steps_between_syncs_never_wait_for_the_device(monkeypatch, k
     from streamrl.config import ModelConfig
     from streamrl.engines.decode_loop import DecodeLoop
     from streamrl.engines.hf_fast import FastHFEngine
+    from streamrl.engines.hf_fast_config import FastHFConfig
     from streamrl.models import build_model
 
     model, tok = build_model(ModelConfig(), seed=1)
-    eng = FastHFEngine(model, tok, device="cuda", batch_size=4, max_seq_len=48, span_bucket=16, sync_every=8,
-                       kv_cache=kv, block_size=4, eos_token_id=model.config.vocab_size)  # no EOS: fixed spans
+    eng = FastHFEngine(model, tok, FastHFConfig(device="cuda", batch_size=4, max_seq_len=48, span_bucket=16,
+                                                sync_every=8,
+                       kv_cache=kv, block_size=4, eos_token_id=model.config.vocab_size))  # no EOS: fixed spans
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (3, 5, 7, 9, 4, 6)]
     eng.generate(prompts, 30, 1.0)  # captures every span's graph (capturing syncs)

@@ -75,6 +75,7 @@ def _check_switch(gen, prompts, v0_model, v1_model, k: int, v0: int, v1: int) ->
 @pytest.mark.timeout(120)
 def test_hf_fast_switch_mid_generation_stamps_tokens_and_uses_new_head():
     from streamrl.engines.hf_fast import FastHFEngine
+    from streamrl.engines.hf_fast_config import FastHFConfig
 
     model, tok = build_model(ModelConfig(), seed=1)
     v0_model = copy.deepcopy(model).eval()
@@ -82,7 +83,7 @@ def test_hf_fast_switch_mid_generation_stamps_tokens_and_uses_new_head():
     v1_model = copy.deepcopy(model).eval()
     v1_model.load_state_dict(dict(update))
     # eos_token_id=-1: never stops early, so every row spans the switch
-    eng = FastHFEngine(model, tok, batch_size=4, max_seq_len=48, sync_every=3, eos_token_id=-1)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=4, max_seq_len=48, sync_every=3, eos_token_id=-1))
     prompts = [tok.encode(t, add_special_tokens=False) for t in ("1234=", "98=", "55555=", "7=")]
     torch.manual_seed(0)
     cb, calls = _switch_at(SWITCH, 11, update)
@@ -101,6 +102,7 @@ def test_hf_fast_long_generation_spans_several_versions_exactly():
     """160-token responses, slots refilled mid-run, an update every 32 decode steps: every token
     carries the version that sampled it and its log-prob is that version's teacher forcing."""
     from streamrl.engines.hf_fast import FastHFEngine
+    from streamrl.engines.hf_fast_config import FastHFConfig
 
     model, tok = build_model(ModelConfig(), seed=2)
     heads = {0: [(n, p.detach().clone()) for n, p in model.named_parameters()]}
@@ -114,7 +116,7 @@ def test_hf_fast_long_generation_spans_several_versions_exactly():
         return (c // every, heads[c // every]) if c and c % every == 0 else None
 
     prompts = [tok.encode(t, add_special_tokens=False) for t in ("1234=", "98=", "55555=", "7=", "31=")]
-    eng = FastHFEngine(model, tok, batch_size=4, max_seq_len=180, sync_every=7, eos_token_id=-1)
+    eng = FastHFEngine(model, tok, FastHFConfig(batch_size=4, max_seq_len=180, sync_every=7, eos_token_id=-1))
     torch.manual_seed(0)
     gen = eng.generate(prompts, new_tokens, TEMP, between_steps=between_steps, version=0)
     base = model.model  # K/V and hidden states do not depend on lm_head: one forward per response

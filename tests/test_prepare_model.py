@@ -30,7 +30,7 @@ def smol(tmp_path_factory):
 def _prompts(tok):
     from streamrl.tasks import get_task
     from streamrl.tasks.registry import eval_problems
-    from streamrl.tasks.prompts import PromptEncoder
+    from streamrl.rollout.prompts import PromptEncoder
 
     enc = PromptEncoder(tok, chat_template=True)
     return [enc(p.prompt) for p in eval_problems(get_task("arithmetic", num_digits=2), 0, N_PROMPTS)]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.tasks.prompts import PromptEncoder
+from streamrl.rollout.prompts import PromptEncoder
 from streamrl.tasks.registry import Problem
 
 

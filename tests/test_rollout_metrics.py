@@ -9,11 +9,11 @@ import torch
 from streamrl.config import load_config
 from streamrl.engines.factory import build_engine
 from streamrl.models.factory import build_model
-from streamrl.rollout_metrics import versions_spanned
+from streamrl.rollout.factory import build_roller
+from streamrl.rollout.metrics import versions_spanned
 from streamrl.tasks import get_task
 from streamrl.tasks.registry import problem_stream
 from streamrl.trajectory import validate_trajectories
-from streamrl.workers.rollout import BatchRoller
 from tests.test_inflight_updates import TEMP, TOL, _new_head, _switch_at, _tf_logprobs
 
 
@@ -48,7 +48,7 @@ def test_long_batch_with_inflight_update_spans_two_versions(repo, monkeypatch):
     engine = build_engine(cfg, model, tok)
     engine.eos_id = -1  # every response runs to the cap, so each spans the switch
     task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
-    roller = BatchRoller(cfg, engine, tok, problem_stream(task, 0, 0, 1), worker_id=0)
+    roller = build_roller(cfg, engine, tok, problem_stream(task, 0, 0, 1), worker_id=0)
     cb, _ = _switch_at(switch, 4, update)
     torch.manual_seed(0)
     td = roller.rollout_batch(version=3, between_steps=cb)

@@ -1,4 +1,5 @@
-"""BatchRoller with the HF engine: packing, versions, rewards, routing capture, parity."""
+"""The single-turn roller (streamrl.rollout.batch.BatchRoller) with the HF engine: packing, versions,
+rewards, routing capture, parity."""
 from __future__ import annotations
 
 import itertools
@@ -10,11 +11,11 @@ from streamrl.engines.factory import build_engine
 from streamrl.engines.hf import HFEngine
 from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.models.factory import build_model
+from streamrl.rollout.factory import build_roller
+from streamrl.rollout.prompts import PromptEncoder
 from streamrl.tasks import get_task
 from streamrl.tasks.registry import problem_stream
 from streamrl.trajectory import validate_trajectories
-from streamrl.tasks.prompts import PromptEncoder
-from streamrl.workers.rollout import BatchRoller
 
 
 def _cfg(*extra):
@@ -28,7 +29,7 @@ def test_batch_is_valid_with_version_rewards_and_routing(repo, monkeypatch):
     model, tok = build_model(cfg.model, seed=0)
     engine = build_engine(cfg, model, tok)
     task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
-    roller = BatchRoller(cfg, engine, tok, problem_stream(task, 0, 0, 1), worker_id=3)
+    roller = build_roller(cfg, engine, tok, problem_stream(task, 0, 0, 1), worker_id=3)
     td = roller.rollout_batch(version=7)
     validate_trajectories(td)
     n_resp = int(td["response_lens"].sum())

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from streamrl.config import ConfigError, load_config
+from streamrl.rollout.prompts import PromptEncoder
 from streamrl.tasks import build_task, get_task, long_sequence
 from streamrl.tasks.long_sequence import FAMILIES, estimate_tokens, terms
-from streamrl.tasks.prompts import PromptEncoder
 from streamrl.tasks.registry import eval_problems, problem_stream
 
 REPO = Path(__file__).resolve().parents[1]

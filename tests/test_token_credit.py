@@ -260,7 +260,7 @@ def test_roller_sends_token_rewards_and_learner_steps_on_them(repo, monkeypatch)
     from streamrl.learner.trainer import Trainer
     from streamrl.models.factory import build_model
     from streamrl.tasks.registry import problem_stream
-    from streamrl.workers.rollout import BatchRoller
+    from streamrl.rollout.factory import build_roller
 
     monkeypatch.chdir(repo)
     torch.manual_seed(0)
@@ -268,7 +268,7 @@ def test_roller_sends_token_rewards_and_learner_steps_on_them(repo, monkeypatch)
                                                   f"run.run_dir={repo}/runs/_unused"])
     model, tok = build_model(cfg.model, seed=0)
     task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
-    roller = BatchRoller(cfg, build_engine(cfg, model, tok), tok, problem_stream(task, 0, 0, 1))
+    roller = build_roller(cfg, build_engine(cfg, model, tok), tok, problem_stream(task, 0, 0, 1), worker_id=0)
     td = roller.rollout_batch(version=0)
     validate_trajectories(td)
     assert td["token_rewards"].shape == td["response_tokens"].shape

@@ -22,6 +22,7 @@ import torch
 
 from streamrl.config import ModelConfig
 from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
 from streamrl.envs.base import FunctionEnv, StepResult
 from streamrl.envs.episode import EpisodeLimits, episode_metrics, run_episodes
 from streamrl.envs.render import PlainTextRenderer
@@ -62,8 +63,8 @@ def main() -> None:
     turns, reply = args.turns, ("=12345 " * args.reply_chars)[: args.reply_chars]
     # prompts are under 64 tokens; the driver keeps prompt + response + turn within the cache
     limits = EpisodeLimits(max_turns=turns, max_turn_tokens=args.turn_tokens, max_response_tokens=1024 - 64)
-    eng = FastHFEngine(model.eval(), tok, device=args.device, batch_size=args.episodes, kv_cache=args.kv,
-                       max_seq_len=1024, eos_token_id=-1)  # no EOS: every turn runs to its cap
+    eng = FastHFEngine(model.eval(), tok, FastHFConfig(device=args.device, batch_size=args.episodes, kv_cache=args.kv,
+                                                       max_seq_len=1024, eos_token_id=-1))  # no EOS: every turn runs to its cap
     problems = [f"{i * 7919 % 1000}+{i}=" for i in range(args.episodes)]
 
     def run(tool_s: float, **kw):

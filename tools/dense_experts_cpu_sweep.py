@@ -19,6 +19,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from streamrl.engines import dense_experts
 from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
 
 SHAPES = [(64, 64, 4, 2, 32), (128, 128, 4, 2, 32), (64, 64, 8, 2, 64), (128, 128, 8, 2, 32), (256, 256, 4, 2, 32),
           (256, 256, 8, 2, 64)]
@@ -26,8 +27,9 @@ SHAPES = [(64, 64, 4, 2, 32), (128, 128, 4, 2, 32), (64, 64, 8, 2, 64), (128, 12
 
 
 def step_ms(model, rows: int, impl, new_tokens: int) -> float:
-    eng = FastHFEngine(model, None, batch_size=rows, max_seq_len=new_tokens + 16, experts_implementation=impl,
-                       eos_token_id=10**6)  # never drawn: every row decodes new_tokens
+    eng = FastHFEngine(model, None, FastHFConfig(batch_size=rows, max_seq_len=new_tokens + 16,
+                                                 experts_implementation=impl,
+                       eos_token_id=10**6))  # never drawn: every row decodes new_tokens
     prompts = [[1, 5, 6, 7, 8]] * rows
     eng.generate(prompts, 8, 1.0)  # warm-up
     times = []

@@ -25,8 +25,8 @@ import torch
 from streamrl.config import load_config
 from streamrl.engines.factory import build_engine
 from streamrl.models.factory import load_model_and_tokenizer
+from streamrl.rollout.prompts import PromptEncoder
 from streamrl.tasks import build_task
-from streamrl.tasks.prompts import PromptEncoder
 from streamrl.tasks.sources import build_prompt_source
 
 

@@ -1,6 +1,6 @@
 """Host (Python) seconds per decode step of ``FastHFEngine.generate``, the device work left out.
 
-The decode step itself (``engine._step``: one graph replay on a GPU) is replaced by three small
+The decode step itself (``engine.decode_step``: one graph replay on a GPU) is replaced by three small
 tensor ops that advance ``gen`` and set ``done`` at the cap, so
 what is timed is the loop's own bookkeeping per step: slot state, spans, paged block growth,
 versions and the periodic ``done`` read. Prefills and the stand-in step are timed separately and subtracted. On a GPU
@@ -19,11 +19,13 @@ import torch
 
 from streamrl.bench.hf_fast import build_bench_model
 from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
 
 
 def host_ms_per_step(batch: int, new_tokens: int, kv: str, versions: bool, repeats: int = 3) -> dict:
     model = build_bench_model("tiny", "cpu", "float32")
-    eng = FastHFEngine(model, None, batch_size=batch, max_seq_len=16 + new_tokens, eos_token_id=64, kv_cache=kv)
+    eng = FastHFEngine(model, None, FastHFConfig(batch_size=batch, max_seq_len=16 + new_tokens, eos_token_id=64,
+                                                 kv_cache=kv))
     steps, prefill_s = [0], [0.0]  # prefill_s: prefills and stand-in steps, left out of the figure
 
     def step(span, greedy):  # the model left out: only the counters a real step advances (timed apart)
@@ -33,7 +35,7 @@ def host_ms_per_step(batch: int, new_tokens: int, kv: str, versions: bool, repea
         eng.done.logical_or_(eng.gen >= eng.max_new)
         prefill_s[0] += time.perf_counter() - t0
 
-    eng._step = step
+    eng.decode_step = step
 
     def timed(fn):
         def run(*a, **k):
@@ -44,7 +46,7 @@ def host_ms_per_step(batch: int, new_tokens: int, kv: str, versions: bool, repea
                 prefill_s[0] += time.perf_counter() - t0
         return run
 
-    eng._prefill = timed(eng._prefill)
+    eng.prefill = timed(eng.prefill)
     prompts = torch.randint(3, 64, (batch, 16), generator=torch.Generator().manual_seed(0)).tolist()
     between = (lambda: None) if versions else None
     per_step = []

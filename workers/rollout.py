@@ -13,13 +13,13 @@ that sampled it (``policy_version`` per token). The learner's buffer measures a 
 lag by its *oldest* token version, so a mixed-version trajectory counts as old as its first
 tokens. KV computed before a switch is kept (see the engines).
 
-:class:`BatchRoller` is the Redis-free part (prompts -> engine -> rewards -> packed
-trajectories); the benchmark drives it directly.
+:mod:`streamrl.rollout` holds the Redis-free part (prompts -> engine -> rewards -> packed
+trajectories): the worker builds its roller once from the config and drives it through
+:class:`streamrl.rollout.base.Roller`.
 """
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import signal
 import socket
@@ -33,18 +33,19 @@ from streamrl.config import Config, config_from_dict
 from streamrl.coord.coordinator import Coordinator
 from streamrl.core_borrowing import make_core_borrower
 from streamrl.engines.factory import build_engine
+from streamrl.engines.hf import HFEngine
 from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.metrics import RateLimitedRedisSink
 from streamrl.models.factory import load_model_and_tokenizer
-from streamrl.rewards import build_reward, response_texts, token_rewards
 from streamrl.roles.annotate import trajectory_roles
 from streamrl.roles.launch import reward_role_configured
 from streamrl.roles.reward_wire import ENDPOINT as REWARD_ENDPOINT
-from streamrl.rollout_metrics import versions_spanned
+from streamrl.rollout.factory import build_roller, run_reward
+from streamrl.rollout.metrics import versions_spanned
+from streamrl.rollout.prompts import PromptEncoder
 from streamrl.tasks import build_task
-from streamrl.tasks.prompts import PromptEncoder
 from streamrl.tasks.sources import build_prompt_source
-from streamrl.trajectory import make_id, pack_trajectories
+from streamrl.trajectory import make_id
 from streamrl.transport.sender import TrajectorySender
 from streamrl.utils import limit_threads, setup_logging
 from streamrl.weights.factory import make_subscriber
@@ -57,73 +58,6 @@ HEARTBEAT_TTL_S = 10.0  # a worker silent for this long is gone: the learner ref
 GENERATING, WAITING_ADMISSION = "generating", "waiting_admission"
 # In-flight updates: the Redis look-up for a newer version runs at most this often.
 INFLIGHT_POLL_S = 0.05
-
-
-class BatchRoller:
-    """One batch: ``prompts_per_batch`` problems x ``group_size`` samples, scored and packed."""
-
-    def __init__(self, cfg: Config, engine, tok, problems, worker_id: int = 0, next_id=None, reward_endpoint=None):
-        self.cfg, self.engine, self.tok, self.problems, self.wid = cfg, engine, tok, problems, worker_id
-        self.encode = PromptEncoder(tok, cfg.rollout.chat_template)
-        self.task = build_task(cfg.task)
-        rc = cfg.rollout
-        self.reward = build_reward(rc.rewards, self.task, rc.reward_model, rc.reward_model_device,
-                                   reward_endpoint=reward_endpoint)
-        self._counter = 0
-        self._next_id = next_id or self._local_id
-
-    def _local_id(self) -> int:
-        self._counter += 1
-        return make_id(self.wid, self._counter)
-
-    def rollout_batch(self, version: int, between_steps=None):
-        """Generate, score and pack one batch; tokens are stamped with ``version``, or, with
-        ``between_steps`` (in-flight updates), with the version the engine reports per token."""
-        rc = self.cfg.rollout
-        started = time.time()
-        problems = [next(self.problems) for _ in range(rc.prompts_per_batch)]
-        prompt_ids = [self.encode.problem(p) for p in problems]
-        flat_prompts = [ids for ids in prompt_ids for _ in range(rc.group_size)]
-        if between_steps is None and rc.inflight_updates:
-            between_steps = _no_update  # same engine path as the worker's (the benchmark measures it)
-        if between_steps is None:  # the plain call: every engine, no per-step hook
-            gen = self.engine.generate(flat_prompts, rc.max_new_tokens, rc.temperature)
-        else:
-            gen = self.engine.generate(flat_prompts, rc.max_new_tokens, rc.temperature,
-                                       between_steps=between_steps, version=version)
-        texts = response_texts(self.tok, gen.tokens)
-        flat_problems = [p for p in problems for _ in range(rc.group_size)]
-        rewards, components = self.reward.score(flat_problems, texts)
-        group_ids, traj_ids = [], []
-        for _ in problems:
-            gid = self._next_id()
-            for _ in range(rc.group_size):
-                group_ids.append(gid)
-                traj_ids.append(self._next_id())
-        versions = gen.versions if gen.versions is not None else [[version] * len(t) for t in gen.tokens]
-        optional = {"started_at": started, "reward_components": components, "routed_experts": gen.routed_experts,
-                    "token_rewards": self._token_rewards(flat_problems, texts, gen.tokens, rewards)
-                    if rc.token_rewards else None}
-        # optional trajectory fields as far as this checkout's trajectory contract knows them
-        optional = {k: v for k, v in optional.items() if k in _PACK_PARAMS and v is not None}
-        td = pack_trajectories(flat_prompts, gen.tokens, gen.logprobs, versions, rewards, group_ids, traj_ids,
-                               self.wid, time.time(), **optional)
-        if gen.routed_experts is not None and "routed_experts" not in optional:
-            td["routed_experts"] = torch.cat(gen.routed_experts).to(torch.int16)  # [sum_resp, L, k]
-        return td
-
-    def _token_rewards(self, problems, texts, tokens, rewards) -> list[list[float]]:
-        """Per-token rewards (``rollout.token_rewards``): the rewards' character credit mapped
-        onto the sampled tokens, the rest of each reward on the last token (see streamrl.rewards)."""
-        chars, terminal = self.reward.credits(problems, texts, rewards)
-        return [token_rewards(self.tok, list(ids), c, t) for ids, c, t in zip(tokens, chars, terminal)]
-
-
-_PACK_PARAMS = set(inspect.signature(pack_trajectories).parameters)
-
-
-def _no_update():
-    return None
 
 
 class _Handoff:
@@ -157,35 +91,20 @@ class RolloutWorker:
         if stored is None:
             raise RuntimeError(f"no config in Redis for run {args.run_id}")
         self.cfg = cfg = config_from_dict(stored)
-        if getattr(args, "device", None):
+        if args.device:
             cfg.rollout.device = args.device
         self.incarnation = self.coord.next_incarnation(self.wid)
         torch.manual_seed(hash((cfg.run.seed, self.wid, self.incarnation)) & 0x7FFFFFFF)
         model, self.tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
         self.engine = build_engine(cfg, model, self.tok)
-        self.reference = None  # learner-side HF model for the parity check
-        if cfg.rollout.parity_probes > 0:
-            from streamrl.engines.hf import HFEngine
-
-            ref_model = model if cfg.rollout.engine not in ("hf", "hf_fast") else load_model_and_tokenizer(cfg.model, cfg.run.seed)[0]
-            self.reference = HFEngine(ref_model, self.tok)
         task = build_task(cfg.task)
+        self.reference, self.probes = self._parity_reference(model, task)
         problems = build_prompt_source(cfg, task, cfg.run.seed * 7919 + self.incarnation,
-                                 self.wid, max(args.num_workers, self.wid + 1))
-        reward_endpoint = None
-        if reward_role_configured(cfg):  # the reward-model role scores for every worker (streamrl.roles)
-            self.coord.wait_endpoint(REWARD_ENDPOINT, timeout_s=600)
-            reward_endpoint = lambda: self.coord.get_endpoint(REWARD_ENDPOINT)  # noqa: E731 (re-read after restarts)
-        self.roller = BatchRoller(cfg, self.engine, self.tok, problems, self.wid, self._next_id, reward_endpoint)
+                                       self.wid, max(args.num_workers, self.wid + 1))
+        self.roller = build_roller(cfg, self.engine, self.tok, problems, worker_id=self.wid, next_id=self._next_id,
+                                   reward=run_reward(cfg, self._reward_endpoint()),
+                                   before_turn=self.between_turns if cfg.rollout.inflight_updates else None)
         self.roles = trajectory_roles(cfg, self.coord)  # reference/critic servers, when placed apart (or None)
-        self.probes = (probe_set(task, self.roller.encode, cfg.rollout.parity_probes, cfg.run.seed)
-                       if self.reference is not None else None)
-        if cfg.env.name != "none":  # multi-turn episodes with tools (issue 21); torchrl loads only here
-            from streamrl.envs.factory import build_episode_roller  # noqa: PLC0415
-
-            self.roller = build_episode_roller(cfg, self.engine, self.tok, problems, self.wid, self._next_id,
-                                               self.roller.reward,
-                                               self.between_turns if cfg.rollout.inflight_updates else None)
         self.subscriber = make_subscriber(self.coord, cfg, worker_id=self.wid)
         self.metrics = RateLimitedRedisSink(self.coord, f"rollout-{self.wid}")
         self.counter = 0
@@ -197,6 +116,24 @@ class RolloutWorker:
         self.inflight_loads = 0
         # decode with the colocated CPU learner's cores while it waits for data (streamrl.core_borrowing)
         self.borrower = make_core_borrower(cfg, self.coord)
+
+    def _parity_reference(self, model, task) -> tuple[HFEngine | None, tuple | None]:
+        """``(reference, probes)`` for ``rollout.parity_probes > 0``: a learner-side HF model (its own
+        copy when the engine shares ``model``) and the probe sequences; ``(None, None)`` otherwise."""
+        cfg = self.cfg
+        if cfg.rollout.parity_probes <= 0:
+            return None, None
+        shares_model = cfg.rollout.engine in ("hf", "hf_fast")
+        ref_model = load_model_and_tokenizer(cfg.model, cfg.run.seed)[0] if shares_model else model
+        encode = PromptEncoder(self.tok, cfg.rollout.chat_template)
+        return HFEngine(ref_model, self.tok), probe_set(task, encode, cfg.rollout.parity_probes, cfg.run.seed)
+
+    def _reward_endpoint(self):
+        """The reward-model role's address, re-read after its restarts; None when no role scores."""
+        if not reward_role_configured(self.cfg):
+            return None
+        self.coord.wait_endpoint(REWARD_ENDPOINT, timeout_s=600)
+        return lambda: self.coord.get_endpoint(REWARD_ENDPOINT)
 
     def _next_id(self) -> int:
         self.counter += 1
@@ -284,26 +221,24 @@ class RolloutWorker:
                 self.log.debug("heartbeat failed: %s", e)
 
     def run(self) -> int:
-        cfg = self.cfg
-        rc = cfg.rollout
+        rc = self.cfg.rollout
         endpoint = self.coord.wait_endpoint("trajectories")
-        sender = TrajectorySender(endpoint, self.wid, hwm=cfg.transport.hwm, retain_bytes=cfg.transport.retain_bytes)
+        sender = TrajectorySender(endpoint, self.wid, hwm=self.cfg.transport.hwm,
+                                  retain_bytes=self.cfg.transport.retain_bytes)
         self.log.info("connected to %s (incarnation %d, engine %s)", endpoint, self.incarnation, rc.engine)
-        gen_tokens = trajectories = 0
-        wait_s = 0.0
-        t_start = time.perf_counter()
+        totals = {"tokens": 0, "trajectories": 0, "wait_s": 0.0, "t_start": time.perf_counter()}
         self.heartbeat("running")
         beating = threading.Event()
         threading.Thread(target=self._heartbeat_loop, args=(beating,), name="heartbeat", daemon=True).start()
         try:
             while not self.stopping and self.coord.stop_reason() is None:
-                if not self.coord.try_reserve(rc.prompts_per_batch, cfg.learner.max_staleness,
-                                              cfg.learner.groups_per_step):
+                if not self.coord.try_reserve(rc.prompts_per_batch, self.cfg.learner.max_staleness,
+                                              self.cfg.learner.groups_per_step):
                     if self.state != WAITING_ADMISSION:
                         self.heartbeat(WAITING_ADMISSION)
                     sender.service()  # acks; resends what a restarted learner lost
                     time.sleep(0.02)
-                    wait_s += 0.02
+                    totals["wait_s"] += 0.02
                     continue
                 self.heartbeat(GENERATING)
                 load_s = self.sync_weights()
@@ -311,59 +246,69 @@ class RolloutWorker:
                     self.coord.refund(rc.prompts_per_batch)
                     time.sleep(0.05)
                     continue
-                t_gen = time.perf_counter()
-                hook = self._step_hook if self.borrower is not None else (
-                    self.between_steps if rc.inflight_updates else None)
-                try:
-                    td = self.roller.rollout_batch(self.subscriber.loaded_version, hook)
-                finally:
-                    if self.borrower is not None:
-                        self.borrower.end_batch()
-                gen_s = time.perf_counter() - t_gen
-                if self.roles is not None:
-                    td = self.roles(td)
-                while not sender.send(td, timeout_s=1.0):  # blocked by backpressure
-                    if self.coord.stop_reason() is not None or self.stopping:
-                        break
-                    self.heartbeat("backpressure")
-                n_tok = int(td["response_lens"].sum())
-                gen_tokens += n_tok
-                trajectories += int(td["reward"].numel())
-                elapsed = time.perf_counter() - t_start
-                self.metrics.write({
-                    "rollout/tokens_per_s_batch": n_tok / max(gen_s, 1e-9),
-                    "rollout/generated_tokens": gen_tokens,
-                    "rollout/trajectories": trajectories,
-                    "rollout/reward_mean": float(td["reward"].mean()),
-                    "rollout/version": self.subscriber.loaded_version,
-                    "rollout/weights_load_s": load_s,
-                    "rollout/admission_wait_s": wait_s,
-                    "rollout/tokens_per_s": gen_tokens / max(elapsed, 1e-9),
-                    "rollout/inflight_loads": self.inflight_loads,
-                    **sender.stats(),  # transport/produced, retained and resent messages, ...
-                    **self.subscriber.timings,  # weights/transfer_s, verify_s, load_s of the newest load
-                    **getattr(self.roller, "last_metrics", {}),  # env/... of multi-turn episodes
-                    **versions_spanned(td["policy_version"], td["response_lens"]),  # in-flight drift
-                    **(self.borrower.metrics() if self.borrower is not None else {}),
-                })
+                self._one_batch(sender, load_s, totals)
         finally:
             beating.set()
-            try:  # leaving a live run (signal): give sent trajectories a moment to become durable
-                if self.coord.stop_reason() is None and not sender.flush(timeout_s=3.0, durable=True):
-                    self.log.warning("leaving with %d messages not yet acknowledged by the learner",
-                                     sender.retention.pending())
-            except Exception as e:  # Redis or socket already gone: nothing more to deliver
-                self.log.warning("flush on exit skipped: %s", e)
-            sender.close()
-            if self.borrower is not None:
-                self.borrower.close()
-            self.metrics.close()
-            if self.roles is not None:
-                self.roles.close()
-            getattr(self.roller, "close", lambda: None)()  # multi-turn: the env and tool pools
-            self.engine.close()
-        self.log.info("stopping: %s; sent %d trajectories", self.coord.stop_reason() or "signal", trajectories)
+            self._shutdown(sender)
+        self.log.info("stopping: %s; sent %d trajectories", self.coord.stop_reason() or "signal",
+                      totals["trajectories"])
         return 0
+
+    def _one_batch(self, sender: TrajectorySender, load_s: float, totals: dict) -> None:
+        """Generate one batch with the loaded version, send it (waiting out backpressure) and
+        write its figures; ``totals`` accumulates the worker's counters."""
+        t_gen = time.perf_counter()
+        hook = self._step_hook if self.borrower is not None else (
+            self.between_steps if self.cfg.rollout.inflight_updates else None)
+        try:
+            td = self.roller.rollout_batch(self.subscriber.loaded_version, hook)
+        finally:
+            if self.borrower is not None:
+                self.borrower.end_batch()
+        gen_s = time.perf_counter() - t_gen
+        if self.roles is not None:
+            td = self.roles(td)
+        while not sender.send(td, timeout_s=1.0):  # blocked by backpressure
+            if self.coord.stop_reason() is not None or self.stopping:
+                break
+            self.heartbeat("backpressure")
+        n_tok = int(td["response_lens"].sum())
+        totals["tokens"] += n_tok
+        totals["trajectories"] += int(td["reward"].numel())
+        elapsed = time.perf_counter() - totals["t_start"]
+        self.metrics.write({
+            "rollout/tokens_per_s_batch": n_tok / max(gen_s, 1e-9),
+            "rollout/generated_tokens": totals["tokens"],
+            "rollout/trajectories": totals["trajectories"],
+            "rollout/reward_mean": float(td["reward"].mean()),
+            "rollout/version": self.subscriber.loaded_version,
+            "rollout/weights_load_s": load_s,
+            "rollout/admission_wait_s": totals["wait_s"],
+            "rollout/tokens_per_s": totals["tokens"] / max(elapsed, 1e-9),
+            "rollout/inflight_loads": self.inflight_loads,
+            **sender.stats(),  # transport/produced, retained and resent messages, ...
+            **self.subscriber.timings,  # weights/transfer_s, verify_s, load_s of the newest load
+            **self.roller.last_metrics,  # env/... of multi-turn episodes
+            **versions_spanned(td["policy_version"], td["response_lens"]),  # in-flight drift
+            **(self.borrower.metrics() if self.borrower is not None else {}),
+        })
+
+    def _shutdown(self, sender: TrajectorySender) -> None:
+        """Deliver what is in flight if the run goes on without us, then release everything."""
+        try:  # leaving a live run (signal): give sent trajectories a moment to become durable
+            if self.coord.stop_reason() is None and not sender.flush(timeout_s=3.0, durable=True):
+                self.log.warning("leaving with %d messages not yet acknowledged by the learner",
+                                 sender.retention.pending())
+        except Exception as e:  # Redis or socket already gone: nothing more to deliver
+            self.log.warning("flush on exit skipped: %s", e)
+        sender.close()
+        if self.borrower is not None:
+            self.borrower.close()
+        self.metrics.close()
+        if self.roles is not None:
+            self.roles.close()
+        self.roller.close()  # multi-turn: the env and tool pools
+        self.engine.close()
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,10 @@ import sys
 import time
 
 import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
 
 PRESETS = {
     # The project's tiny random MoE (ModelConfig defaults): a CPU smoke figure.
@@ -38,8 +42,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def build_bench_model(preset: str, device: str, dtype: str, seed: int = 0, path: str | None = None):
     """A random Qwen3-MoE of ``preset`` built directly on ``device`` in ``dtype``, or the HF folder ``path``."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     if path:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype = {dtype!r}: must be one of {sorted(_DTYPES)}")
@@ -131,36 +133,46 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
     ``experts_implementation`` ("auto", or a transformers name such as "grouped_mm" to A/B it);
     ``decode_attention``: the static cache's decode attention ("auto", "sdpa" or "flex").
     """
-    from streamrl.engines.hf_fast import FastHFEngine
-
     for name, v in (("batch", batch), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
         if v < 1:
             raise ValueError(f"{name} = {v}: must be >= 1")
     model = build_bench_model(preset, device, dtype, seed, path=model_path)
-    vocab = model.config.vocab_size
-    no_eos = vocab  # never drawn: both paths decode exactly new_tokens
+    no_eos = model.config.vocab_size  # never drawn: both paths decode exactly new_tokens
     gen = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, vocab, (batch, prompt_len), generator=gen)
-    out = {"preset": model_path or preset, "device": device, "span_bucket": span_bucket, "dtype": dtype, "batch": batch, "prompt_len": prompt_len,
-           "new_tokens": new_tokens, **param_counts(model)}
+    prompts = torch.randint(3, no_eos, (batch, prompt_len), generator=gen)
+    out = {"preset": model_path or preset, "device": device, "span_bucket": span_bucket, "dtype": dtype,
+           "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, **param_counts(model)}
     if device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name()
-
-    engine = FastHFEngine(model, None, device=device, batch_size=batch, max_seq_len=prompt_len + new_tokens,
-                          eos_token_id=no_eos, compile=compile, span_bucket=span_bucket, kv_cache=kv_cache,
-                          block_size=block_size, paged_attention=paged_attention, experts_implementation=experts,
-                          decode_attention=decode_attention)
-    out["experts"], out["decode_attention"] = engine.experts_impl, engine.decode_attention
-    plist = prompts.tolist()
+    engine = FastHFEngine(model, None, FastHFConfig(
+        device=device, batch_size=batch, max_seq_len=prompt_len + new_tokens, eos_token_id=no_eos, compile=compile,
+        span_bucket=span_bucket, kv_cache=kv_cache, block_size=block_size, paged_attention=paged_attention,
+        experts_implementation=experts, decode_attention=decode_attention))
     caps = torch.randint(1, new_tokens + 1, (batch,), generator=gen).tolist() if spread_lengths else None
+    out.update(_time_fast(engine, prompts.tolist(), new_tokens, caps, device), spread_lengths=spread_lengths)
+    if not skip_generate:
+        out.update(_time_generate(model, prompts.to(device), generate_tokens or new_tokens, no_eos, device))
+        out["ratio_vs_plain_generate"] = out["fast_tok_s"] / out["generate_tok_s"]
+    if device.startswith("cuda"):
+        floor = bandwidth_floor(model, batch, prompt_len, new_tokens, bandwidth_tb_s * 1e12)
+        out.update(floor, bandwidth_tb_s=bandwidth_tb_s, gap_to_floor=floor["floor_tok_s"] / out["fast_tok_s"])
+    engine.close()
+    return out
+
+
+def _time_fast(engine: FastHFEngine, prompts: list[list[int]], new_tokens: int, caps: list[int] | None,
+               device: str) -> dict:
+    """One warm-up (graph captures) and one timed :meth:`FastHFEngine.generate` of ``prompts``
+    (``[B][P]`` ids) at temperature 1; the fast path's figures."""
+    out = {"experts": engine.experts_impl, "decode_attention": engine.decode_attention}
     t0 = time.perf_counter()
-    engine.generate(plist, new_tokens, 1.0)  # warm-up: captures the graphs
+    engine.generate(prompts, new_tokens, 1.0)  # warm-up: captures the graphs
     _sync(device)
     out["fast_warmup_s"] = time.perf_counter() - t0
     engine.cache.peak_blocks = 0
     steps0, wait0 = engine.decode_steps, engine.sync_wait_s
     t0 = time.perf_counter()
-    res = engine.generate(plist, new_tokens, 1.0, max_tokens=caps)
+    res = engine.generate(prompts, new_tokens, 1.0, max_tokens=caps)
     _sync(device)
     dt = time.perf_counter() - t0
     n_fast = sum(len(t) for t in res.tokens)
@@ -169,32 +181,27 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
         # The host's own time per decode step (launches, bookkeeping, prefills): the run's wall time
         # less its waits for the device. Below fast_step_ms the host runs ahead of the GPU.
         out["host_busy_ms_per_step"] = (dt - (engine.sync_wait_s - wait0)) / steps * 1e3
+    kv_cache = engine.config.kv_cache
     out.update(fast_tokens=n_fast, fast_s=dt, fast_tok_s=n_fast / dt, fast_step_ms=dt / new_tokens * 1e3,
-               decode_steps=steps,
-               graphs_captured=engine.captures, compiled=engine._compiled, kv_cache=kv_cache,
-               paged_attention=paged_attention if kv_cache == "paged" else None,
-               spread_lengths=spread_lengths, **kv_memory(engine))
-
-    if not skip_generate:
-        ids = prompts.to(device)
-        kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                  pad_token_id=0, eos_token_id=no_eos)
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=4, **kw)  # warm-up
-            _sync(device)
-            t0 = time.perf_counter()
-            seq = model.generate(ids, max_new_tokens=generate_tokens or new_tokens, **kw)
-            _sync(device)
-        dt = time.perf_counter() - t0
-        n_gen = int((seq.shape[1] - prompt_len) * batch)
-        out.update(generate_tokens=n_gen, generate_new_tokens=seq.shape[1] - prompt_len, generate_s=dt,
-                   generate_tok_s=n_gen / dt,
-                   ratio_vs_plain_generate=out["fast_tok_s"] / (n_gen / dt))
-    if device.startswith("cuda"):
-        floor = bandwidth_floor(model, batch, prompt_len, new_tokens, bandwidth_tb_s * 1e12)
-        out.update(floor, bandwidth_tb_s=bandwidth_tb_s, gap_to_floor=floor["floor_tok_s"] / out["fast_tok_s"])
-    engine.close()
+               decode_steps=steps, graphs_captured=engine.captures, compiled=engine.compiled, kv_cache=kv_cache,
+               paged_attention=engine.config.paged_attention if kv_cache == "paged" else None, **kv_memory(engine))
     return out
+
+
+def _time_generate(model, ids: torch.Tensor, new_tokens: int, no_eos: int, device: str) -> dict:
+    """Plain ``model.generate()`` sampling ``new_tokens`` after ``ids [B, P]`` (one short warm-up first)."""
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+              pad_token_id=0, eos_token_id=no_eos)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, **kw)  # warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        seq = model.generate(ids, max_new_tokens=new_tokens, **kw)
+        _sync(device)
+    dt = time.perf_counter() - t0
+    n_gen = int((seq.shape[1] - ids.shape[1]) * ids.shape[0])
+    return {"generate_tokens": n_gen, "generate_new_tokens": seq.shape[1] - ids.shape[1], "generate_s": dt,
+            "generate_tok_s": n_gen / dt}
 
 
 def _generate_plain(model, prompts: list[list[int]], new_tokens: int, pad_id: int, no_eos: int, greedy: bool):
@@ -220,8 +227,6 @@ def bench_groups(engine, prompts: list[list[int]], group_size: int, new_tokens: 
     ratio of median tokens/s (``..._cpu_time``: per second of process CPU time, which other
     processes on a shared CPU disturb less). ``greedy_tokens_equal``: greedy responses agree.
     """
-    from streamrl.engines.hf_fast import FastHFEngine
-
     if not isinstance(engine, FastHFEngine):
         raise ValueError(f"bench_groups needs a FastHFEngine, not {type(engine).__name__}")
     model, device = engine.model, str(engine.device)

@@ -116,7 +116,7 @@ def make_batch(tok, args):
     """``groups x group_size`` trajectories: chat-template arithmetic prompts, fixed responses."""
     from streamrl.tasks.arithmetic import Arithmetic
     from streamrl.trajectory import pack_trajectories
-    from streamrl.tasks.prompts import PromptEncoder
+    from streamrl.rollout.prompts import PromptEncoder
 
     import torch
 

@@ -2,7 +2,8 @@
 
 The engine (:mod:`streamrl.engines.hf_fast`) owns the model, the KV cache, the device-side slot
 state (``tok``/``pos``/``gen``/``done``/``max_new`` ``[B]``, ``out_tok``/``out_lp`` ``[B, S+1]``)
-and the decode step; this loop decides what runs in which slot and when:
+and the decode step (its public methods ``prefill``, ``extend``, ``attended_span``,
+``decode_step``); this loop decides what runs in which slot and when:
 
 * every decode step: O(1) Python. The host's slot state is a :class:`SlotTable` of step counters,
   the weight versions a :class:`VersionLog` of change points, and nothing is copied between host
@@ -59,9 +60,8 @@ class DecodeLoop:
         while t.held:
             if self._grow():
                 self._poll(t.steps + 1)
-                eng._step(eng._span(t.top_position() + 1), self.greedy)
+                eng.decode_step(eng.attended_span(t.top_position() + 1), self.greedy)
                 t.steps += 1
-                eng.decode_steps += 1
             if not t.any_live() or t.steps % eng.sync_every == 0:
                 self._sync()
         return Generation(tokens=self.out_t, logprobs=self.out_l,
@@ -137,9 +137,9 @@ class DecodeLoop:
         eng.max_new[to_device([s for _, s in chosen], eng.device)] = to_device([self.caps[j] for j, _ in chosen],
                                                                                eng.device)
         if fresh:
-            eng._prefill([s for _, s in fresh], [prompts[j] for j, _ in fresh], self.greedy)
+            eng.prefill([s for _, s in fresh], [prompts[j] for j, _ in fresh], self.greedy)
         if resumed:
-            eng._extend([s for _, s, _ in resumed], [prompts[j] for j, _, _ in resumed],
+            eng.extend([s for _, s, _ in resumed], [prompts[j] for j, _, _ in resumed],
                         [st for _, _, st in resumed], self.greedy)
         for j, _ in fresh:
             self.cached[j] = 0

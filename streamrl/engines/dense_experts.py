@@ -40,7 +40,7 @@ DENSE_MAX_TOKENS = 512
 DENSE_CPU_MAX_EXTRA_FLOP = 8e6
 """On CPU, the most FLOPs per call the dense path may add over the sparse one, ``T (E - k) 6 H I``.
 Measured on the 2-core dev machine (``python tools/dense_experts_cpu_sweep.py``: 2 layers, decode
-steps of 32-64 rows; two runs, session 11): dense is 10-22 % faster per step at 1.6-9.4 MFLOP added
+steps of 32-64 rows; two runs): dense is 10-22 % faster per step at 1.6-9.4 MFLOP added
 a layer (the tiny model's shape: 0.88 vs 1.08 ms), even at 19 MFLOP, and slower from 25 MFLOP
 (1.78 vs 1.66 ms; 151 MFLOP: 4.86 vs 2.93 ms)."""
 

@@ -10,6 +10,11 @@ import tempfile
 from pathlib import Path
 
 from streamrl.config import Config
+from streamrl.engines.hf import HFEngine
+from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
+from streamrl.engines.paged_kv import pool_blocks
+from streamrl.models.factory import build_model, load_model_and_tokenizer, save_model
 
 ENGINES = ("hf", "hf_fast", "vllm")
 
@@ -18,13 +23,28 @@ def model_folder(cfg: Config, model=None, tok=None) -> str:
     """An HF folder holding the configured model (saving the tiny model if needed)."""
     if cfg.model.path:
         return cfg.model.path
-    from streamrl.models.factory import build_model, save_model
-
     if model is None:
         model, tok = build_model(cfg.model, seed=cfg.run.seed)
     folder = Path(tempfile.mkdtemp(prefix="streamrl-model-"))
     save_model(model, tok, folder)
     return str(folder)
+
+
+def fast_hf_config(cfg: Config, model) -> FastHFConfig:
+    """The hf_fast engine's configuration from ``cfg.rollout``; one slot per sequence of a worker
+    batch, so the batch stays full through refills. ``rollout.kv_pool_mb`` sizes the paged pool
+    from ``model``'s KV shape."""
+    rc = cfg.rollout
+    blocks = None
+    if rc.kv_cache == "paged" and rc.kv_pool_mb:
+        mc = model.config
+        blocks = pool_blocks(rc.kv_pool_mb << 20, mc.num_hidden_layers, mc.num_key_value_heads,
+                             getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads,
+                             next(model.parameters()).element_size(), rc.kv_block_size)
+    return FastHFConfig(device=rc.device, batch_size=rc.prompts_per_batch * rc.group_size,
+                        max_seq_len=rc.max_model_len, record_routing=rc.record_routing,
+                        share_prompts=rc.enable_prefix_caching, kv_cache=rc.kv_cache, block_size=rc.kv_block_size,
+                        kv_blocks=blocks, paged_attention=rc.paged_attention, decode_attention=rc.decode_attention)
 
 
 def build_engine(cfg: Config, model=None, tok=None):
@@ -35,34 +55,15 @@ def build_engine(cfg: Config, model=None, tok=None):
     """
     rc = cfg.rollout
     if rc.engine == "hf":
-        from streamrl.engines.hf import HFEngine
-        from streamrl.models.factory import load_model_and_tokenizer
-
         if model is None:
             model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
         return HFEngine(model, tok, rc.device, record_routing=rc.record_routing)
     if rc.engine == "hf_fast":
-        from streamrl.engines.hf_fast import FastHFEngine
-        from streamrl.models.factory import load_model_and_tokenizer
-
         if model is None:
             model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
-        # One slot per sequence of a worker batch: the batch stays full through refills.
-        blocks = None
-        if rc.kv_cache == "paged" and rc.kv_pool_mb:
-            from streamrl.engines.paged_kv import pool_blocks
-
-            mc = model.config
-            blocks = pool_blocks(rc.kv_pool_mb << 20, mc.num_hidden_layers, mc.num_key_value_heads,
-                                 getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads,
-                                 next(model.parameters()).element_size(), rc.kv_block_size)
-        return FastHFEngine(model, tok, device=rc.device, batch_size=rc.prompts_per_batch * rc.group_size,
-                            max_seq_len=rc.max_model_len, record_routing=rc.record_routing,
-                            share_prompts=rc.enable_prefix_caching, kv_cache=rc.kv_cache,
-                            block_size=rc.kv_block_size, kv_blocks=blocks, paged_attention=rc.paged_attention,
-                            decode_attention=rc.decode_attention)
+        return FastHFEngine(model, tok, fast_hf_config(cfg, model))
     if rc.engine == "vllm":
-        from streamrl.engines.vllm_engine import VLLMEngine
+        from streamrl.engines.vllm_engine import VLLMEngine  # noqa: PLC0415 (vllm is optional and heavy)
 
         return VLLMEngine(model_folder(cfg, model, tok), dtype=cfg.model.dtype,
                           kv_cache_bytes=rc.kv_cache_mb << 20, max_model_len=rc.max_model_len,

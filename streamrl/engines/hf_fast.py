@@ -62,16 +62,12 @@ import torch
 from streamrl.engines.base import BetweenSteps, Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
 from streamrl.engines.decode_loop import DecodeLoop
 from streamrl.engines.dense_experts import DENSE
+from streamrl.engines.hf_fast_config import FLEX_MIN_LEN, FastHFConfig
 from streamrl.engines.host_io import to_device
 from streamrl.engines.kv_sessions import KeptSessions
 from streamrl.engines.paged_kv import PagedKVCache
 from streamrl.engines.static_kv import ATTN, StaticKVCache, sample_tokens
 
-KV_CACHES = ("static", "paged")
-FLEX_MIN_LEN = 512
-"""Cache positions from which ``decode_attention="auto"`` picks FlexAttention on CUDA: there the sdpa kernel's one CTA
-per (row, KV head) walking the whole span is latency-bound (measured at 1,088 and 4,224 positions); below it the
-configuration measured with sdpa (SmolLM2 recipe, 256 positions) keeps it."""
 
 def _routers(model) -> list[torch.nn.Module]:
     """MoE routers in layer order (transformers 5 top-k routers return ``(logits, weights, ids)``)."""
@@ -81,92 +77,48 @@ def _routers(model) -> list[torch.nn.Module]:
 class FastHFEngine:
     """Drop-in for :class:`streamrl.engines.hf.HFEngine` with a static-cache, graph-captured decode.
 
-    Args:
-        model: a transformers causal LM with ``model.model.{embed_tokens, rotary_emb, layers, norm}``
-            and ``lm_head`` (Llama/Qwen/Mixtral/Qwen-MoE layouts).
-        batch_size: decode slots ``B`` (fixed shape of every step).
-        max_seq_len: cache length ``S``; prompt + response must fit (default: the model's
-            ``max_position_embeddings``, capped at 4096).
-        top_k / top_p: truncation of the sampling distribution (0 / 1.0 = off).
-        cuda_graphs: capture the decode step (default: on for CUDA devices).
-        compile: run the decode step's decoder layers (one compiled graph for all of them) and its
-            tail (head, sampling, bookkeeping) through ``torch.compile`` before capturing it: inductor
-            fuses their small kernels (norms, rotary, router, sampling) (default: on with graphs;
-            falls back to the plain step if compilation fails).
-        span_bucket: with CUDA graphs, the attended cache span is rounded up to a multiple of this
-            (one graph each; not with ``decode_attention="flex"``); eager steps attend exactly the written positions.
-        sync_every: decode steps between reads of the ``done`` flags (refill granularity).
-        share_prompts: prefill identical prompts of one refill once and fork their K/V (groups).
-        kv_cache: "static" (a ``[B, Hkv, S, D]`` slot per sequence) or "paged" (a block pool used as
-            sequences grow, shared prompt blocks, preemption when it runs out; see
-            :mod:`streamrl.engines.paged_kv`).
-        block_size: positions per block of the paged cache (``span_bucket`` must be a multiple).
-        kv_blocks: blocks of the paged pool (default: as many positions as the static cache).
-        paged_attention: how the paged decode step reads the pool: "gather" (each slot's blocks
-            copied into a contiguous ``[B, Hkv, span, D]`` per layer, then SDPA) or "flex"
-            (FlexAttention over the pool in place, always compiled; :mod:`streamrl.engines.paged_flex`;
-            CPU only: refused on CUDA, where it failed its parity test).
-        decode_attention: how the static cache's decode step attends: "sdpa" (the span bucket of all
-            rows) or "flex" (FlexAttention's split-KV decoding kernel over each row's own 128-position
-            blocks of the whole cache; one graph for every span); "auto": flex on CUDA for caches of at least
-            :data:`FLEX_MIN_LEN` positions (H200, batch 256, 1k tokens: 4.39 vs 5.49 ms a step), sdpa for
-            shorter ones (the measured SmolLM2 recipe, 256 positions) and on CPU (the uncompiled step).
-        experts_implementation: ``config._experts_implementation`` used inside this engine; "auto":
-            :data:`~streamrl.engines.dense_experts.DENSE` on CUDA in bf16/fp16 (dense decode steps, measured
-            on the H200: 4.04 vs 5.07 ms a batch-256 step; prefills through ``grouped_mm``) and on CPU, where
-            it runs dense only while the FLOPs it adds stay small (``DENSE_CPU_MAX_EXTRA_FLOP``, with the
-            measurement; larger experts go through ``grouped_mm``); ``batched_mm`` on CUDA in fp32 (torch's grouped GEMM
-            is bf16-only there and its fallback syncs; dense fp32 is not measured); None: the model's own.
+    model: a transformers causal LM with ``model.model.{embed_tokens, rotary_emb, layers, norm}``
+    and ``lm_head`` (Llama/Qwen/Mixtral/Qwen-MoE layouts); tokenizer: optional, for its EOS and pad
+    ids and for stop strings; config: how it decodes (:class:`~streamrl.engines.hf_fast_config.FastHFConfig`).
+
+    Slot state on the device, read and written in place by the captured step and by
+    :class:`~streamrl.engines.decode_loop.DecodeLoop`: ``tok``/``pos``/``gen`` ``[B]`` long (last drawn
+    token, its position, tokens drawn), ``done`` ``[B]`` bool, ``max_new`` ``[B]`` long (each slot's
+    response cap), ``out_tok``/``out_lp`` ``[B, S+1]`` (drawn tokens and their log-probs; column ``S``
+    takes idle rows' writes), ``route_hist`` ``[B, S, L, k]`` int16 or None (routing recording).
+    The decode loop drives the engine through :meth:`prefill`, :meth:`extend`, :meth:`attended_span`
+    and :meth:`decode_step`.
     """
 
     name = "hf"
 
-    def __init__(self, model, tokenizer=None, device: str = "cpu", batch_size: int = 64,
-                 max_seq_len: int | None = None, top_k: int = 0, top_p: float = 1.0,
-                 record_routing: bool = False, cuda_graphs: bool | None = None, span_bucket: int = 128,
-                 sync_every: int = 8, experts_implementation: str | None = "auto",
-                 eos_token_id: int | None = None, compile: bool | None = None, share_prompts: bool = True,
-                 kv_cache: str = "static", block_size: int = 16, kv_blocks: int | None = None,
-                 paged_attention: str = "gather", decode_attention: str = "auto"):
-        if kv_cache not in KV_CACHES:
-            raise ValueError(f"kv_cache = {kv_cache!r}: must be one of {KV_CACHES}")
-        for field, value, ok in (("batch_size", batch_size, batch_size > 0), ("top_k", top_k, top_k >= 0),
-                                 ("top_p", top_p, 0.0 < top_p <= 1.0), ("span_bucket", span_bucket, span_bucket > 0),
-                                 ("sync_every", sync_every, sync_every > 0), ("block_size", block_size, block_size > 0),
-                                 ("span_bucket", span_bucket, kv_cache == "static" or span_bucket % block_size == 0),
-                                 ("paged_attention", paged_attention, paged_attention == "gather" or (
-                                     paged_attention == "flex" and kv_cache == "paged")),
-                                 ("decode_attention", decode_attention, decode_attention in ("auto", "sdpa", "flex") and (
-                                     decode_attention != "flex" or kv_cache == "static"))):
-            if not ok:
-                raise ValueError(f"{field} = {value!r} is out of range")
-        self.device = torch.device(device)
-        self.max_len = max_seq_len or min(getattr(model.config, "max_position_embeddings", 4096), 4096)
-        if decode_attention == "auto":
-            decode_attention = "flex" if (self.device.type == "cuda" and kv_cache == "static"
-                                          and self.max_len >= FLEX_MIN_LEN) else "sdpa"
-        self.decode_attention = decode_attention
-        if paged_attention == "flex" and self.device.type == "cuda":
-            # The H200 run of tests/test_hf_fast_paged.py (session 7) failed its flex case; until it passes
-            # there, a user asking for it gets this error instead of wrong tokens.
-            raise ValueError("paged_attention = 'flex' failed its CUDA parity test: use 'gather' on CUDA")
+    def __init__(self, model, tokenizer=None, config: FastHFConfig = FastHFConfig()):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.max_len = config.max_seq_len or min(getattr(model.config, "max_position_embeddings", 4096), 4096)
+        self.decode_attention = config.decode_attention
+        if self.decode_attention == "auto":
+            self.decode_attention = "flex" if (self.device.type == "cuda" and config.kv_cache == "static"
+                                               and self.max_len >= FLEX_MIN_LEN) else "sdpa"
         self.model = model.to(self.device).eval()
-        cfg = model.config
-        self.eos_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+        mc = model.config
+        self.eos_id = config.eos_token_id
         if self.eos_id is None:
-            self.eos_id = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else -1
+            self.eos_id = getattr(tokenizer, "eos_token_id", None)
+        if self.eos_id is None:
+            self.eos_id = mc.eos_token_id if isinstance(mc.eos_token_id, int) else -1
         self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
         self.tokenizer = tokenizer  # decodes responses for stop strings
         base = model.model
         self.embed, self.rotary, self.layers, self.norm = base.embed_tokens, base.rotary_emb, base.layers, base.norm
         self.lm_head = model.lm_head
-        self.batch, self.top_k, self.top_p = batch_size, top_k, top_p
-        self.share_prompts = share_prompts
+        self.batch, self.top_k, self.top_p = config.batch_size, config.top_k, config.top_p
+        self.share_prompts = config.share_prompts
         self.prefill_tokens = 0  # prompt tokens run through the model (shared prompts count once)
         self.reused_tokens = 0   # prompt tokens whose K/V a kept session supplied (not run again)
-        self.span_bucket, self.sync_every = span_bucket, sync_every
-        self.graphs_on = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
-        self.compile = self.graphs_on if compile is None else compile
+        self.span_bucket, self.sync_every = config.span_bucket, config.sync_every
+        self.graphs_on = (self.device.type == "cuda") if config.cuda_graphs is None else config.cuda_graphs
+        self.compile = self.graphs_on if config.compile is None else config.compile
         # torch.compile'd pieces of the decode step (_compile_decode): the decoder layer, one graph for
         # every layer, and the step's tail; the embedding and the mask between them run as they are
         self._compiled = False
@@ -174,25 +126,37 @@ class FastHFEngine:
         self._finish_fn = self._finish
         self._params = dict(model.named_parameters())
         dtype = next(model.parameters()).dtype
-        if experts_implementation == "auto":
-            experts_implementation = "batched_mm" if (self.device.type == "cuda" and dtype == torch.float32) else DENSE
-        self.experts_impl = experts_implementation
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dev, b, s = self.device, batch_size, self.max_len
-        self.paged = kv_cache == "paged"
-        # the decode step attends the whole cache through a FlexAttention block mask, all B rows at once
-        self.flex_decode = paged_attention == "flex" if self.paged else decode_attention == "flex"
-        if self.paged:
-            self.cache = PagedKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev,
-                                      block_size=block_size, num_blocks=kv_blocks, attention=paged_attention)
-        else:
-            self.cache = StaticKVCache(len(self.layers), b, cfg.num_key_value_heads, s, head_dim, dtype, dev,
-                                       flex=self.flex_decode)
+        self.experts_impl = config.experts_implementation
+        if self.experts_impl == "auto":
+            self.experts_impl = "batched_mm" if (self.device.type == "cuda" and dtype == torch.float32) else DENSE
+        self._build_cache(mc, dtype)
         self.preemptions = 0  # paged: sequences restarted because the pool ran out
         self.decode_steps = 0  # decode steps taken (all generate calls)
         self.sync_wait_s = 0.0  # host seconds spent waiting for the device at the loop's syncs
         self.sessions = KeptSessions(self.cache, slot_bound=not self.paged)
-        # Slot state, read and written in place by the captured step.
+        self._slot_state()
+        self._routing(model, config.record_routing)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.captures = 0
+        self._pool = None
+
+    def _build_cache(self, mc, dtype: torch.dtype) -> None:
+        """The static slots or the paged block pool, ``S = max_len`` positions per sequence."""
+        cfg = self.config
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.paged = cfg.kv_cache == "paged"
+        # the decode step attends the whole cache through a FlexAttention block mask, all B rows at once
+        self.flex_decode = cfg.paged_attention == "flex" if self.paged else self.decode_attention == "flex"
+        shape = (len(self.layers), self.batch, mc.num_key_value_heads, self.max_len, head_dim, dtype, self.device)
+        if self.paged:
+            self.cache = PagedKVCache(*shape, block_size=cfg.block_size, num_blocks=cfg.kv_blocks,
+                                      attention=cfg.paged_attention)
+        else:
+            self.cache = StaticKVCache(*shape, flex=self.flex_decode)
+
+    def _slot_state(self) -> None:
+        """The persistent device buffers of the slots (see the class docstring)."""
+        dev, b, s = self.device, self.batch, self.max_len
         self.tok = torch.zeros(b, dtype=torch.long, device=dev)      # last drawn token (fed next)
         self.pos = torch.zeros(b, dtype=torch.long, device=dev)      # its position
         self.gen = torch.zeros(b, dtype=torch.long, device=dev)      # tokens drawn so far
@@ -208,18 +172,24 @@ class FastHFEngine:
         self.out_lp = torch.zeros(b, s + 1, dtype=torch.float32, device=dev)
         self.rows = torch.arange(b, device=dev)
         self.positions = torch.arange(self.cache.max_span, device=dev)
-        self.routers = _routers(model) if record_routing else []
+
+    def _routing(self, model, record: bool) -> None:
+        """Routing recording: a ``[B, S, L, k]`` buffer and one forward hook on every router."""
+        self.routers = _routers(model) if record else []
         self.route_hist = None
         if self.routers:
             k = self.routers[0].top_k
-            self.route_hist = torch.zeros(b, s, len(self.routers), k, dtype=torch.int16, device=dev)
+            self.route_hist = torch.zeros(self.batch, self.max_len, len(self.routers), k, dtype=torch.int16,
+                                          device=self.device)
         # one hook for every router (a per-layer closure would make a compiled layer one graph per layer)
         self._hooks = [r.register_forward_hook(self._record_route) for r in self.routers]
         self._route_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, positions) of the tokens
         self._route_dst: torch.Tensor | None = None  # route_hist[:, :, layer] of the layer running
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.captures = 0
-        self._pool = None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run through ``torch.compile`` now (False after a failed compilation)."""
+        return self._compiled
 
     # ----------------------------------------------------------------------------- internals
     def _record_route(self, module, args, output) -> None:
@@ -258,8 +228,11 @@ class FastHFEngine:
             x = x[0] if isinstance(x, tuple) else x
         return x
 
-    def _prefill(self, slots: list[int], prompts: list[list[int]], greedy: bool) -> None:
-        """Prompts into ``slots``: K/V at positions ``0..P-1``, first token drawn (eager, variable shape).
+    def prefill(self, slots: list[int], prompts: list[list[int]], greedy: bool) -> None:
+        """Prompts into ``slots`` (one slot per prompt, ``len(slots) == len(prompts)``): K/V at positions
+        ``0..P_i-1``, first response token drawn into ``out_tok[slot, 0]`` (eager, variable shape
+        ``[n, max P_i]``). The caller has set ``max_new[slots]`` and, for a paged cache, checked the
+        pool holds the prompts' blocks.
 
         With ``share_prompts``, identical prompts (a GRPO group repeats one prompt G times) are
         run through the model once, in the first of their slots, and the other slots get a copy
@@ -306,9 +279,11 @@ class FastHFEngine:
             logits, lens = logits[pick], lens[pick]
         self._first_tokens(all_rows, logits, lens, greedy)
 
-    def _extend(self, slots: list[int], prompts: list[list[int]], starts: list[int], greedy: bool) -> None:
+    def extend(self, slots: list[int], prompts: list[list[int]], starts: list[int], greedy: bool) -> None:
         """Prompts of kept sessions into their ``slots``, whose positions ``0..starts[i]-1`` already
-        hold the prompt's K/V: only ``prompts[i][starts[i]:]`` runs, attending the kept positions."""
+        hold the prompt's K/V (attached by the caller): only ``prompts[i][starts[i]:]`` runs
+        (``[n, max(P_i - start_i)]`` queries), attending the kept positions; first token drawn as
+        in :meth:`prefill`."""
         n, q = len(slots), max(len(p) - st for p, st in zip(prompts, starts))
         ids = torch.full((n, q), self.pad_id, dtype=torch.long)
         for i, (p, st) in enumerate(zip(prompts, starts)):
@@ -401,15 +376,21 @@ class FastHFEngine:
         live = (~self.done).nonzero().squeeze(1)
         return None if live.numel() == self.batch else live
 
-    def _span(self, top: int) -> int:
-        """Cache positions a decode step attends when the furthest row writes position ``top - 1``."""
+    def attended_span(self, top: int) -> int:
+        """Cache positions a decode step attends when the furthest row writes position ``top - 1``
+        (the ``span`` argument of :meth:`decode_step`)."""
         if self.flex_decode:  # the block mask bounds each row: one graph
             return self.cache.max_span
         # graphs need few fixed shapes; eager steps attend what is written (whole blocks)
         bucket = self.span_bucket if self.graphs_on else self.cache.span_quantum
         return min(-(-top // bucket) * bucket, self.cache.max_span)
 
-    def _step(self, span: int, greedy: bool) -> None:
+    def decode_step(self, span: int, greedy: bool) -> None:
+        """One decode step of every live slot: feed ``tok [B]`` at ``pos [B]``, attend cache positions
+        ``< span`` (:meth:`attended_span`), draw the next token into ``out_tok``/``out_lp`` and update
+        ``tok``/``pos``/``gen``/``done`` in place. No host sync; with CUDA graphs, a replay of the
+        graph captured for ``(span, greedy)`` (captured on first use)."""
+        self.decode_steps += 1
         if not self.graphs_on:
             # A compiled step keeps the fixed batch shape; a plain eager one runs only the live rows.
             rows = None if self._compiled or self.flex_decode else self._live_rows()
@@ -432,7 +413,7 @@ class FastHFEngine:
         the 24-layer MoE step of ``gpu-long.yaml`` spent 6.1-8.8 s of an 8.4-11.9 s first call in
         dynamo's bytecode tracing on the H200 with a warm inductor cache (2,158 ops captured); that
         first call is in the first batch, which the learner waits for. Per layer the first call
-        takes 5.1 s (21.7 s cold, was 39.9 s), decode speed unchanged (``tools/gpu/decode_first_call.py``).
+        takes 5.1 s (21.7 s cold), decode speed unchanged (``tools/gpu/decode_first_call.py``).
         ``dynamic=None`` (automatic dynamic shapes): the first graph is specialised to the first
         span; the first step with another span recompiles once with the span symbolic, and every
         later span reuses that graph. With ``dynamic=False`` each span bucket was a compile of its

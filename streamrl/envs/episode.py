@@ -107,27 +107,66 @@ def run_episodes(engine, envs: list[Environment], problems: list[Any], renderer:
         raise ValueError(f"{len(envs)} environments for {len(problems)} problems")
     if lanes < 1:
         raise ValueError(f"lanes = {lanes}: must be >= 1")
-    now = time.time()
-    episodes = [Episode(prompt=renderer.prompt_tokens(env.reset(p)), started_at=now) for env, p in zip(envs, problems)]
-    release = getattr(engine, "release", None) if reuse_kv else None
-    sessions = [next(_SESSION_IDS) for _ in episodes]
-    n = len(episodes)
-    cuts = [n * k // lanes for k in range(lanes + 1)]
-    ready = deque(list(range(cuts[k], cuts[k + 1])) for k in range(lanes) if cuts[k + 1] > cuts[k])
-    running: deque[tuple[list[int], dict[int, Future], dict]] = deque()  # lanes whose tools run
+    play = _EpisodePlay(engine, envs, problems, renderer, decode, eos_id, limits, temperature, before_turn,
+                        reuse_kv, generate_kwargs)
     own_pool = pool is None
-    pool = pool or ThreadPoolExecutor(max_workers=max(1, min(16, n)), thread_name_prefix="streamrl-env")
+    pool = pool or ThreadPoolExecutor(max_workers=max(1, min(16, len(envs))), thread_name_prefix="streamrl-env")
+    try:
+        play.run(pool, lanes)
+    finally:
+        if play.release is not None:
+            play.release(play.sessions)
+        if own_pool:
+            pool.shutdown(wait=True)
+    return play.episodes
 
-    def generate(live: list[int]) -> dict[int, tuple[str, bool]]:
+
+class _EpisodePlay:
+    """The episodes of one :func:`run_episodes` call, played turn by turn, lane by lane."""
+
+    def __init__(self, engine, envs, problems, renderer: Renderer, decode: Callable, eos_id: int,
+                 limits: EpisodeLimits, temperature: float, before_turn: Callable[[], int], reuse_kv: bool,
+                 generate_kwargs: dict):
+        self.engine, self.envs, self.renderer, self.decode, self.eos_id = engine, envs, renderer, decode, eos_id
+        self.limits, self.temperature, self.before_turn = limits, temperature, before_turn
+        self.generate_kwargs = generate_kwargs
+        now = time.time()
+        self.episodes = [Episode(prompt=renderer.prompt_tokens(env.reset(p)), started_at=now)
+                         for env, p in zip(envs, problems)]
+        # kept KV sessions are an optional engine feature (hf_fast has ``release``, see streamrl.engines.base)
+        self.release = getattr(engine, "release", None) if reuse_kv else None
+        self.sessions = [next(_SESSION_IDS) for _ in self.episodes]
+
+    def run(self, pool: ThreadPoolExecutor, lanes: int) -> None:
+        """Alternate lanes between the engine and their tools (run on ``pool``) until every episode stops."""
+        n = len(self.episodes)
+        cuts = [n * k // lanes for k in range(lanes + 1)]
+        ready = deque(list(range(cuts[k], cuts[k + 1])) for k in range(lanes) if cuts[k + 1] > cuts[k])
+        running: deque[tuple[list[int], dict[int, Future], dict]] = deque()  # lanes whose tools run
+        while ready or running:
+            while running and all(f.done() for f in running[0][1].values()):
+                still = self.finish(*running.popleft())
+                if still:
+                    ready.append(still)
+            if ready:
+                live = ready.popleft()
+                turns = self.generate(live)
+                running.append((live, {i: pool.submit(self.envs[i].step, turns[i][0]) for i in live}, turns))
+            elif running:  # nothing to generate: wait for the lane whose tools started first
+                wait(running[0][1].values())
+
+    def generate(self, live: list[int]) -> dict[int, tuple[str, bool]]:
         """One model turn for ``live``: per episode, the turn's text and whether it ended with the
         end-of-turn token."""
+        episodes, limits = self.episodes, self.limits
         budget = {i: min(limits.max_turn_tokens, limits.max_response_tokens - len(episodes[i].response)) for i in live}
-        version = before_turn()
-        extra = {**generate_kwargs, "version": version} if "between_steps" in generate_kwargs else generate_kwargs
-        if release is not None:
-            extra = {**extra, "sessions": [sessions[i] for i in live]}
+        version = self.before_turn()
+        kwargs = self.generate_kwargs
+        extra = {**kwargs, "version": version} if "between_steps" in kwargs else kwargs
+        if self.release is not None:
+            extra = {**extra, "sessions": [self.sessions[i] for i in live]}
         prompts = [episodes[i].prompt + episodes[i].response for i in live]
-        gen = engine.generate(prompts, max(budget.values()), temperature, **extra)
+        gen = self.engine.generate(prompts, max(budget.values()), self.temperature, **extra)
         turns = {}
         for j, i in enumerate(live):
             ep, cap = episodes[i], budget[i]
@@ -137,49 +176,30 @@ def run_episodes(engine, envs: list[Environment], problems: list[Any], renderer:
             ep.cached_tokens += gen.cached_tokens[j] if gen.cached_tokens is not None else 0
             ep.add(toks, True, lps, vers)
             ep.turns += 1
-            ended = bool(toks) and toks[-1] == eos_id
-            turns[i] = (decode(toks[:-1] if ended else toks), ended)
+            ended = bool(toks) and toks[-1] == self.eos_id
+            turns[i] = (self.decode(toks[:-1] if ended else toks), ended)
         return turns
 
-    def finish(live: list[int], steps: dict[int, Future], turns: dict[int, tuple[str, bool]]) -> list[int]:
+    def finish(self, live: list[int], steps: dict[int, Future], turns: dict[int, tuple[str, bool]]) -> list[int]:
         """Apply the lane's environment steps; returns the episodes that play another turn."""
-        still = []
+        limits, still = self.limits, []
         for i in live:
-            ep, res = episodes[i], steps[i].result()
+            ep, res = self.episodes[i], steps[i].result()
             ep.reward += float(res.reward)
             for k, v in res.info.items():
                 ep.info[k] = ep.info.get(k, 0.0) + v
             reply = [] if res.done or ep.turns >= limits.max_turns else \
-                renderer.env_tokens(res.messages, model_ended=turns[i][1])
+                self.renderer.env_tokens(res.messages, model_ended=turns[i][1])
             # The reply must leave room for at least one model token, else the turn is pointless.
             ep.stop = "done" if res.done else "max_turns" if ep.turns >= limits.max_turns else \
                 "max_tokens" if len(ep.response) + len(reply) >= limits.max_response_tokens else ""
             if ep.stop:
-                if release is not None:
-                    release([sessions[i]])
+                if self.release is not None:
+                    self.release([self.sessions[i]])
                 continue
             ep.add(reply, False, None, [ep.versions[-1]] * len(reply))
             still.append(i)
         return still
-
-    try:
-        while ready or running:
-            while running and all(f.done() for f in running[0][1].values()):
-                still = finish(*running.popleft())
-                if still:
-                    ready.append(still)
-            if ready:
-                live = ready.popleft()
-                turns = generate(live)
-                running.append((live, {i: pool.submit(envs[i].step, turns[i][0]) for i in live}, turns))
-            elif running:  # nothing to generate: wait for the lane whose tools started first
-                wait(running[0][1].values())
-    finally:
-        if release is not None:
-            release(sessions)
-        if own_pool:
-            pool.shutdown(wait=True)
-    return episodes
 
 
 def episodes_to_trajectories(episodes: list[Episode], group_ids: list[int], traj_ids: list[int],

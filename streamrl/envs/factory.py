@@ -99,10 +99,10 @@ def env_maker(cfg, tok, runner: ToolRunner, reward) -> Callable[[], Any]:
 
 def build_episode_roller(cfg, engine, tok, problems: Iterator[Any], worker_id: int, next_id: Callable[[], int],
                          reward, before_turn: Callable[[], int] | None = None) -> EpisodeBatchRoller:
-    """The multi-turn counterpart of the worker's ``BatchRoller`` for ``cfg.env.name != 'none'``."""
+    """The multi-turn counterpart of :class:`streamrl.rollout.batch.BatchRoller` for ``cfg.env.name != 'none'``."""
     rc, ec = cfg.rollout, cfg.env
     if ec.name == "none":
-        raise ValueError("env.name = 'none': single-turn batches use the worker's BatchRoller")
+        raise ValueError("env.name = 'none': single-turn batches use streamrl.rollout.batch.BatchRoller")
     for name in ("token_rewards", "record_routing"):
         if getattr(rc, name):
             raise ValueError(f"rollout.{name} = true is not supported with env.name = {ec.name!r} (multi-turn)")

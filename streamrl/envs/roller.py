@@ -1,8 +1,8 @@
 """One batch of multi-turn episodes for the rollout worker: problems x group size -> episodes ->
 a packed trajectory batch and the monitor's figures.
 
-The Redis-free counterpart of ``workers/rollout.py``'s ``BatchRoller`` for tool tasks: same
-``rollout_batch(version, between_steps)`` shape, so the worker can hold either. Each sample
+The tool-task implementation of :class:`streamrl.rollout.base.Roller` (next to the single-turn
+:class:`streamrl.rollout.batch.BatchRoller`), Redis-free. Each sample
 gets its own environment (environments keep per-episode state); all samples of a batch share
 the engine calls turn by turn and one :class:`~streamrl.envs.tools.ToolRunner`.
 """
@@ -48,7 +48,8 @@ class EpisodeBatchRoller:
         batch's monitor figures in ``last_metrics``.
 
         ``between_steps``: in-flight updates inside a turn (engines hf_fast, vllm), as in
-        ``BatchRoller``; ``version`` stamps the turns when there is no ``before_turn`` hook.
+        :class:`~streamrl.rollout.batch.BatchRoller`; ``version`` stamps the turns when there is
+        no ``before_turn`` hook.
         """
         started = time.perf_counter()
         problems = [next(self.problems) for _ in range(self.prompts_per_batch)]

@@ -33,6 +33,6 @@ for i, new_tokens in enumerate((64, 1024, 1024, 1024)):
     out[f"gen{new_tokens}_{i}_s"] = time.perf_counter() - t
 from torch._dynamo.utils import compile_times, counters  # noqa: E402
 
-out.update(captures=engine.captures, compiled=engine._compiled, unique_graphs=counters["stats"]["unique_graphs"])
+out.update(captures=engine.captures, compiled=engine.compiled, unique_graphs=counters["stats"]["unique_graphs"])
 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}), flush=True)
 print(compile_times(repr="str", aggregate=True), flush=True)

@@ -19,6 +19,7 @@ import torch
 
 from streamrl.bench.hf_fast import build_bench_model
 from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.engines.hf_fast_config import FastHFConfig
 
 B, P = int(sys.argv[1]) if len(sys.argv) > 1 else 256, 128
 KV = sys.argv[2] if len(sys.argv) > 2 else "static"  # static | paged
@@ -26,10 +27,10 @@ SPANS = [int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "256").split(","
 SPAN = SPANS[-1]
 MAX_LEN = max(384, max(SPANS))
 model = build_bench_model("moe-1b", "cuda", "bfloat16")
-eng = FastHFEngine(model, None, device="cuda", batch_size=B, max_seq_len=MAX_LEN, eos_token_id=32768,
+eng = FastHFEngine(model, None, FastHFConfig(device="cuda", batch_size=B, max_seq_len=MAX_LEN, eos_token_id=32768,
                    kv_cache=KV, span_bucket=SPAN if SPAN % 16 == 0 else 128,
                    experts_implementation=os.environ.get("EXPERTS", "auto"),
-                   decode_attention=os.environ.get("ATTN", "auto"))
+                   decode_attention=os.environ.get("ATTN", "auto")))
 ATTN = eng.decode_attention
 prompts = torch.randint(3, 32768, (B, P)).tolist()
 eng.generate(prompts, 8, 1.0)  # captures the graph of the first span
@@ -46,16 +47,16 @@ print(f"B={B} kv={KV} attn={ATTN} experts={eng.experts_impl} generate of 64 new 
       f"(sync_every={eng.sync_every})")
 with torch.inference_mode(), eng._impl():
     for span in SPANS:  # as generate() runs (in grad mode the compile fails)
-        if (eng._span(span), False) not in eng.graphs:  # flex: one graph for all spans
-            eng.graphs[(eng._span(span), False)] = eng._capture(eng._span(span), False)
+        if (eng.attended_span(span), False) not in eng.graphs:  # flex: one graph for all spans
+            eng.graphs[(eng.attended_span(span), False)] = eng._capture(eng.attended_span(span), False)
     eng.max_new.fill_(256)
-    eng._prefill(list(range(B)), prompts, False)
+    eng.prefill(list(range(B)), prompts, False)
     eng.cache.grow(list(range(B)), [MAX_LEN] * B)  # paged: blocks for every position the steps write
     replay_ms = {}
     for span in SPANS:
         # rows write positions span-24 .. span-1: sdpa attends the span bucket, flex each row's blocks up to there
         eng.pos.fill_(span - 24)
-        g = eng.graphs[(eng._span(span), False)]
+        g = eng.graphs[(eng.attended_span(span), False)]
         for _ in range(3):
             g.replay()
         torch.cuda.synchronize()
@@ -77,7 +78,7 @@ with torch.inference_mode(), eng._impl():
     out = os.environ.get("OUT", ".")
     cuda = torch.device("cuda")
     eng.pos.fill_(SPAN - 24)  # the 10 profiled steps write inside the span as well
-    res = profile_breakdown(eng.graphs[(eng._span(SPAN), False)].replay, 10, cuda, torch.cuda.synchronize,
+    res = profile_breakdown(eng.graphs[(eng.attended_span(SPAN), False)].replay, 10, cuda, torch.cuda.synchronize,
                             table_path=f"{out}/hf_fast_profile_b{B}_span{SPAN}_{eng.experts_impl}_{ATTN}.txt", top=25)
     res["what"] = "graph replay"
     if res["device_ms_per_step"] < 0.5 * replay_ms[SPAN]:
