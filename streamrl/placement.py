@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamrl.config import ConfigError
+from streamrl.errors import ConfigError
 
 ROLES = ("learner", "rollout", "reference", "reward", "critic")
 ALIASES = {"actor": "learner", "ref": "reference", "reward_model": "reward", "rm": "reward"}

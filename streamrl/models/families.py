@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamrl.config import ConfigError
+from streamrl.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from streamrl.config import ConfigError
+from streamrl.errors import ConfigError
 from streamrl.models.families import MoEFamily, RoutingSpec, moe_family
+
+# Names of the routed-expert tensors (transformers' and EPMoEBlock's alike): the ones expert
+# parallelism shards over ep ranks.
+EXPERT_PARAM_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def is_expert_param(name: str) -> bool:
+    """True for the (ep-sharded) routed-expert tensors."""
+    return name.endswith(EXPERT_PARAM_SUFFIXES)
 
 
 class _ScaleGrad(torch.autograd.Function):
