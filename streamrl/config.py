@@ -671,8 +671,8 @@ def admission_wait_note(batch: int, groups_per_step: int, max_staleness: int, wo
     before it; to start its next batch at once, admission must cover that batch, the one just
     finished and the other workers' in flight: ``(workers + 1) * batch <= (max_staleness + 1) *
     groups_per_step``. Below that, every worker idles part of each batch and a rollout-bound run
-    loses throughput (session 10's gpu-long: batch 32, 8 groups a step, staleness 4: the learner
-    idled 20 %). ``max_staleness = 0`` is the synchronous mode, where waiting is the point.
+    loses throughput (configs/gpu-long.yaml at staleness 4, batch 32, 8 groups a step, leaves
+    the learner idle a fifth of the time). ``max_staleness = 0`` is the synchronous mode, where waiting is the point.
     """
     if max_staleness == 0:
         return None

@@ -54,7 +54,7 @@ class _GatherRows(torch.autograd.Function):
     """``x[src // k]`` for a permutation ``src`` of the S = N k (token, slot) rows, without atomics.
 
     Autograd's backward of ``index_select`` is an ``index_add``: a scatter, atomic on the GPU and,
-    with k copies of every token, contended (one bf16 ``index_add`` was 12 % of the 1.31 B MoE
+    with k copies of every token, contended (a bf16 ``index_add`` there takes 12 % of the 1.31 B MoE
     step on an H200). ``src`` here is a permutation, so the gradient is a gather by its inverse
     ``inv`` ([S] int64), then a sum over each token's k copies: x [N, H] -> [S, H].
     """
