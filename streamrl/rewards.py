@@ -209,6 +209,7 @@ def load_reward_model(reward_model: str, device: str = "cpu",
         from streamrl.roles.reward_client import RewardClient  # noqa: PLC0415 (zmq: only RM users pay)
 
         return RewardClient(endpoint)
+    # torch: only runs with a reward model pay for it
     from streamrl.roles.reward_model import HFRewardModel, is_reward_model_folder  # noqa: PLC0415
 
     if is_reward_model_folder(reward_model):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 ENV_SECRET = "STREAMRL_CURVE_SECRET"
@@ -180,8 +181,6 @@ class _Auth:
 
     @classmethod
     def allow(cls, ctx: zmq.Context, clients: tuple[bytes, ...]):
-        from zmq.auth.thread import ThreadAuthenticator
-
         auth = cls._by_ctx.get(id(ctx))
         if auth is None:
             auth = ThreadAuthenticator(ctx)

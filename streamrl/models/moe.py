@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from streamrl.errors import ConfigError
 from streamrl.models.families import MoEFamily, RoutingSpec, moe_family
@@ -248,8 +249,6 @@ class EPMoEBlock(nn.Module):
         return _GatherRows.apply(y_sorted, inv_order, order, 1).view(n, k, -1)
 
     def _ep_exchange(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
         ep, el = self.ep_size, self.n_local
         # Every rank learns how many rows it gets from each source for each of its experts.
         recv_counts = torch.empty_like(counts)
