@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from streamrl.config import load_config
+
 if TYPE_CHECKING:  # torch is imported where used: `streamrl-export --help` stays instant
     import torch
 
@@ -211,7 +213,6 @@ def write_step_folder(trainer, step: int) -> Path | None:
 
 
 def _resolve_checkpoint(args) -> tuple[Path, object]:
-    from streamrl.config import load_config
     from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint
 
     cfg = load_config(args.config, [f"run.run_dir={args.run_dir}"]) if args.config else None

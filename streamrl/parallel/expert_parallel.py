@@ -27,17 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 from streamrl.models.families import check_converted_logits, moe_family, probe_ids, reference_logits
-from streamrl.models.moe import EPMoEBlock, convert_moe_blocks
+from streamrl.models.moe import EPMoEBlock, convert_moe_blocks, is_expert_param
 from streamrl.models.sharded_load import (WEIGHTS_FOLDER_ATTR, check_conversion_on_copy, has_meta_params,
                                           materialize_and_load, model_bytes)
 from streamrl.parallel.mesh import LearnerMesh
-
-EXPERT_PARAM_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
-
-
-def is_expert_param(name: str) -> bool:
-    """True for the (ep-sharded) routed-expert tensors."""
-    return name.endswith(EXPERT_PARAM_SUFFIXES)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
