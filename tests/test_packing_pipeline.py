@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.learner import packing, trainer as trainer_mod
+from streamrl.bench.padded_reference import packed_gradients
+from streamrl.learner import metrics as metrics_mod, packing
 from streamrl.learner.packing import (LazyMicroBatches, TrajectoryView, build_microbatch, plan_microbatches,
                                       rank_microbatches)
 
@@ -68,7 +69,7 @@ def test_next_microbatch_built_after_the_backward_is_launched(monkeypatch):
     tr.model.register_forward_pre_hook(lambda *_: events.append("forward"))
     emb = tr.model.get_input_embeddings().weight
     emb.register_hook(lambda g: events.append("backward"))  # its gradient comes last in the backward
-    tr.gradients(batch)
+    packed_gradients(tr, batch)
     n = events.count("build")
     assert n > 2
     assert events == ["build", "forward", "backward"] * n
@@ -84,11 +85,11 @@ def test_step_reads_the_metrics_once_and_they_equal_per_minibatch_reads(monkeypa
     a, b = _trainer(extra), _trainer(extra)
     assert a.router.frozen
     reads = []
-    real = trainer_mod._host_metrics_many
-    monkeypatch.setattr(trainer_mod, "_host_metrics_many", lambda accs: reads.append(len(accs)) or real(accs))
+    real = metrics_mod.host_metrics_many
+    monkeypatch.setattr(metrics_mod, "host_metrics_many", lambda accs: reads.append(len(accs)) or real(accs))
     m = a.step(batch)
     assert reads == [2]  # both minibatches' metrics in one read; no router gate read before 2 optimizer steps
-    monkeypatch.setattr(trainer_mod, "_host_metrics_many", real)
+    monkeypatch.setattr(metrics_mod, "host_metrics_many", real)
 
     grid, adv, mbs, plans = b._prepare(batch)
     b.model.train()
@@ -101,7 +102,7 @@ def test_step_reads_the_metrics_once_and_they_equal_per_minibatch_reads(monkeypa
         assert torch.equal(p.detach(), q.detach()), n
     # past router_freeze_steps the unfreeze gate reads the router metrics before the optimizer step
     reads.clear()
-    monkeypatch.setattr(trainer_mod, "_host_metrics_many", lambda accs: reads.append(len(accs)) or real(accs))
+    monkeypatch.setattr(metrics_mod, "host_metrics_many", lambda accs: reads.append(len(accs)) or real(accs))
     a.step(batch)
     assert reads == [1, 2] and not a.router.frozen
 

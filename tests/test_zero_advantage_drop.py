@@ -15,6 +15,7 @@ import torch
 
 from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
+from streamrl.bench.padded_reference import packed_gradients
 from streamrl.parallel.testing import spawn_gloo
 
 from test_bench_learner import save_tiny_llama
@@ -57,7 +58,7 @@ def _trained_rows(tr: Trainer, batch) -> list[list[int]]:
 
 def _grads(rank, world, batch, extra, drop, dense_folder=None):
     tr = Trainer(_config(extra, drop, dense_folder))
-    m = tr.gradients(batch)
+    m = packed_gradients(tr, batch)
     return {"loss": m["learner/loss"], "dropped": m["learner/dropped_zero_adv_frac"], "g": _full_grads(tr),
             "rows": _trained_rows(tr, batch)}
 

@@ -143,7 +143,7 @@ def run_child(args) -> int:
     from safetensors.torch import load_file, save_file
     from streamrl.learner.attention import parse_flex_options, set_flex_kernel_options
     from streamrl.learner.packing import response_grid
-    from streamrl.learner.padded_reference import padded_step
+    from streamrl.bench.padded_reference import packed_gradients, padded_forward, padded_step
     from streamrl.learner.trainer import Trainer
     from streamrl.trajectory import to_padded
 
@@ -158,7 +158,7 @@ def run_child(args) -> int:
     if impl == "padded":
         padded_step(tr, batch, optimizer_step=False)
     else:
-        tr.gradients(batch)
+        packed_gradients(tr, batch)
     # Tensor by tensor (no second copy of the gradients in this process's peak memory): the
     # padded child writes the reference, the others compare against it.
     ref = work / "padded"
@@ -275,7 +275,7 @@ def _logprobs(tr, batch, impl: str):
     with torch.no_grad():
         if impl == "padded":
             pad = to_padded(batch, tr.pad_id)
-            logits, _ = tr._forward(tr.model, pad["input_ids"].to(tr.device), pad["attention_mask"].to(tr.device))
+            logits, _ = padded_forward(tr, tr.model, pad["input_ids"].to(tr.device), pad["attention_mask"].to(tr.device))
             full = token_logprobs(logits, pad["input_ids"].to(tr.device), tr.cfg.rollout.temperature).cpu()
             del logits
             out = torch.zeros(len(p_lens), max(r_lens))

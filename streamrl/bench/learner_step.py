@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     def step():
         out = model(input_ids=ids, attention_mask=attn, use_cache=False)
         lp = F.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss, _ = policy_loss(lp, lp.detach(), behav, adv, mask, is_mode="token-tis")
+        loss, _ = policy_loss(lp, lp.detach(), behav, adv, mask)
         if blocks:
             loss = loss + 0.01 * load_balancing_loss([b.last_router_logits for b in blocks], args.experts, args.topk)
         opt.zero_grad(set_to_none=True)

@@ -1,10 +1,10 @@
-"""The learner step as it was before packing: padded rows, full-vocabulary log-softmax.
+"""The reference the packed learner step is measured and tested against: padded rows, full-vocabulary log-softmax.
 
-Kept only as the reference the packed step is measured and tested against
-(``streamrl-bench learner --impl padded`` and the packed == padded tests): one forward over the
-minibatch padded to its longest row, ``log_softmax`` in fp32 over ``[B, T, V]`` at every
-position, then the same objective. One minibatch (``learner.minibatches = 1``), sequence
-advantages, no critic.
+``streamrl-bench learner --impl padded`` and the packed == padded tests run :func:`padded_step`:
+one forward over the minibatch padded to its longest row, ``log_softmax`` in fp32 over
+``[B, T, V]`` at every position, then the same objective. One minibatch
+(``learner.minibatches = 1``), sequence advantages, no critic. :func:`packed_gradients` is the
+packed step's side of the comparison: its gradient, without the optimizer step.
 """
 from __future__ import annotations
 
@@ -12,11 +12,15 @@ import torch
 from tensordict import TensorDict
 
 from streamrl.algorithms.advantages import group_advantages
+from streamrl.algorithms.losses import Normalizers
 from streamrl.algorithms.moe_losses import load_balancing_loss, router_z_loss
 from streamrl.algorithms.regularizers import token_entropy
 from streamrl.learner.logprobs import token_logprobs
 from streamrl.learner.moe_router import router_metrics
-from streamrl.learner.objective import compute_policy_loss, kl_term
+from streamrl.learner.metrics import mean_over_ranks
+from streamrl.learner.step_loss import compute_policy_loss, kl_term
+from streamrl.learner.trainer import Trainer
+from streamrl.parallel.grad_clip import clip_grad_norm_on_device
 from streamrl.trajectory import to_padded
 
 
@@ -43,8 +47,36 @@ def padded_routed_experts(batch: TensorDict, t_max: int, layers: int) -> torch.T
     return out
 
 
-def padded_step(tr, batch: TensorDict, optimizer_step: bool = True) -> dict[str, float]:
-    """Today's step on ``tr`` (a :class:`~streamrl.learner.trainer.Trainer`) for ``batch``.
+def padded_forward(tr: Trainer, model, ids: torch.Tensor, attn: torch.Tensor, replay: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Padded forward of ``model`` (``tr.model`` or its reference): logits [B, T, V] and, for
+    the policy, the router logits per MoE layer [B*T, E]. ids, attn: [B, T]; replay: [B, T, L, k] or None."""
+    policy = model is tr.model
+    for i, b in enumerate(tr.blocks if policy else []):
+        b.replay = None if replay is None else replay[:, :, i].reshape(-1, replay.shape[-1]).to(tr.device)
+    try:
+        out = model(input_ids=ids, attention_mask=attn, use_cache=False)
+    finally:
+        for b in tr.blocks:
+            b.replay = None
+    return out.logits, [b.last_router_logits for b in tr.blocks] if policy else []
+
+
+def packed_gradients(tr: Trainer, batch: TensorDict) -> dict[str, float]:
+    """The packed step's gradient of the whole batch's loss left in ``.grad`` (no optimizer
+    step) and its metrics: what :meth:`Trainer.step` applies with ``minibatches = 1``."""
+    grid, adv, mbs, plans = tr._prepare(batch)
+    dropped = float(tr._dropped_rows(adv, grid).float().mean())
+    tr.model.train()
+    tr.optim.zero_grad(set_to_none=True)
+    out: dict[str, float] = {}
+    for mb, plan in zip(mbs, plans):
+        out = tr.train_minibatch(batch, grid, adv, mb, plan, optimizer_step=False)
+    return {**out, "learner/dropped_zero_adv_frac": dropped}
+
+
+def padded_step(tr: Trainer, batch: TensorDict, optimizer_step: bool = True) -> dict[str, float]:
+    """The padded step on ``tr`` for ``batch``.
 
     Returns the metrics. With ``optimizer_step=False`` the gradients are left in ``.grad`` (zeroed first).
     """
@@ -69,16 +101,16 @@ def padded_step(tr, batch: TensorDict, optimizer_step: bool = True) -> dict[str,
     a = adv[idx].to(tr.device) * live
     n_tok = float(pad["loss_mask"].sum().clamp(min=1)) / tr.world
     n_seq = float(b_all) / tr.world
-    norm_len = float(cfg.rollout.max_new_tokens)
-    logits, routers = tr._forward(tr.model, ids, attn, None if replay is None else replay[idx])
+    norm = Normalizers(lc.agg, n_tok, n_seq, float(cfg.rollout.max_new_tokens))
+    logits, routers = padded_forward(tr, tr.model, ids, attn, None if replay is None else replay[idx])
     logp = token_logprobs(logits, ids, temp)
-    loss, stats = compute_policy_loss(lc, logp, logp.detach(), behav, a, mask, n_tok, n_seq, norm_len)
+    loss, stats = compute_policy_loss(lc, logp, logp.detach(), behav, a, mask, norm)
     metrics = {"learner/loss": float(loss.detach())}
     if tr.ref_model is not None:
         with torch.no_grad():
-            ref_logits, _ = tr._forward(tr.ref_model, ids, attn)
+            ref_logits, _ = padded_forward(tr, tr.ref_model, ids, attn)
             ref_logp = token_logprobs(ref_logits, ids, temp)
-        kl = kl_term(lc, logp, ref_logp, mask, n_tok, n_seq, norm_len)
+        kl = kl_term(lc, logp, ref_logp, mask, norm)
         loss = loss + lc.kl_coef * kl
         metrics["learner/kl_ref"] = float(kl.detach())
     if lc.entropy_coef > 0 or logits.shape[-1] <= 4096:
@@ -102,10 +134,8 @@ def padded_step(tr, batch: TensorDict, optimizer_step: bool = True) -> dict[str,
     loss.backward()
     tr.router.drop_grads()
     if optimizer_step:
-        from streamrl.learner.trainer import clip_grad_norm
-
-        metrics["learner/grad_norm"] = clip_grad_norm(tr.model.parameters(), lc.grad_clip, tr.mesh.dp_group)
+        metrics["learner/grad_norm"] = float(clip_grad_norm_on_device(tr.model.parameters(), lc.grad_clip, tr.mesh.dp_group))
         tr.optim.step()
         tr.steps_done += 1
     metrics["learner/clip_frac"] = stats["clip_frac"]
-    return tr._reduce_metrics(metrics)
+    return mean_over_ranks(metrics, tr.world, tr.mesh.dp_group)
