@@ -10,7 +10,7 @@ from streamrl.config import load_config
 from streamrl.learner.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
                                          load_checkpoint, save_checkpoint)
 from streamrl.learner.trainer import Trainer
-from streamrl.parallel.testing import spawn_gloo
+from tests.dist_helpers import spawn_gloo
 from streamrl.trajectory import pack_trajectories
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

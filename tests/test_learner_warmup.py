@@ -16,7 +16,7 @@ from streamrl.learner.trainer import Trainer
 from tests.learner_helpers import router_ema_state
 from streamrl.learner.warmup import synthetic_batch, warm_up_pays
 from streamrl.parallel.expert_parallel import full_parameter
-from streamrl.parallel.testing import spawn_gloo
+from tests.dist_helpers import spawn_gloo
 from streamrl.trajectory import split_trajectories
 
 from test_checkpoint import REPO

@@ -16,7 +16,7 @@ from streamrl.learner.packing import build_microbatch, plan_microbatches, Trajec
 from streamrl.bench.padded_reference import packed_gradients, padded_forward, padded_step
 from streamrl.learner.trainer import Trainer
 from streamrl.parallel.expert_parallel import full_parameter
-from streamrl.parallel.testing import spawn_gloo
+from tests.dist_helpers import spawn_gloo
 from streamrl.trajectory import pack_trajectories, to_padded
 
 from test_checkpoint import REPO

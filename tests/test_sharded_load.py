@@ -17,7 +17,7 @@ from streamrl.models.sharded_load import has_meta_params
 from streamrl.models.tokenizer import build_char_tokenizer
 from streamrl.parallel.expert_parallel import full_parameters, parallelize
 from streamrl.parallel.mesh import build_mesh
-from streamrl.parallel.testing import spawn_gloo
+from tests.dist_helpers import spawn_gloo
 from streamrl.utils import peak_rss_bytes
 
 SMOL = Path(__file__).resolve().parents[1] / "models" / "smol"

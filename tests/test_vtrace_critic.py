@@ -14,7 +14,7 @@ from streamrl.learner.critic import critic_targets, is_critic_param, response_md
 from streamrl.learner.trainer import Trainer
 from tests.learner_helpers import evaluate_logprobs
 from streamrl.parallel.expert_parallel import full_parameter
-from streamrl.parallel.testing import assert_ranks_match_reference, spawn_gloo
+from tests.dist_helpers import assert_ranks_match_reference, spawn_gloo
 from streamrl.trajectory import pack_trajectories, to_padded
 
 from test_checkpoint import REPO, make_batch

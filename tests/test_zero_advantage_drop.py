@@ -16,7 +16,7 @@ import torch
 from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
 from streamrl.bench.padded_reference import packed_gradients
-from streamrl.parallel.testing import spawn_gloo
+from tests.dist_helpers import spawn_gloo
 
 from test_bench_learner import save_tiny_llama
 from test_checkpoint import REPO

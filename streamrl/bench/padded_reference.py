@@ -16,8 +16,8 @@ from streamrl.algorithms.losses import Normalizers
 from streamrl.algorithms.moe_losses import load_balancing_loss, router_z_loss
 from streamrl.algorithms.regularizers import token_entropy
 from streamrl.learner.logprobs import token_logprobs
-from streamrl.learner.moe_router import router_metrics
 from streamrl.learner.metrics import mean_over_ranks
+from streamrl.learner.moe_router import router_metrics
 from streamrl.learner.step_loss import compute_policy_loss, kl_term
 from streamrl.learner.trainer import Trainer
 from streamrl.parallel.grad_clip import clip_grad_norm_on_device
@@ -89,11 +89,8 @@ def padded_step(tr: Trainer, batch: TensorDict, optimizer_step: bool = True) -> 
     replay = padded_routed_experts(batch, t_all, len(tr.blocks)) if (lc.routing_replay and tr.blocks) else None
     adv = group_advantages(pad["reward"], pad["group_id"], normalize_std=lc.adv_std_norm)
     tr.model.train()
-    rows = list(range(b_all))
-    sl = tr.my_slice(b_all)
-    idle = not rows[sl]
-    idx = rows[sl] or rows[:1]
-    live = 0.0 if idle else 1.0
+    rows = list(range(b_all))[tr.my_slice(b_all)]
+    idx, live = rows or [0], 1.0 if rows else 0.0  # an idle rank runs row 0 with zero weight
     ids = pad["input_ids"][idx].to(tr.device)
     attn = pad["attention_mask"][idx].to(tr.device)
     mask = pad["loss_mask"][idx].to(tr.device) * live
@@ -120,22 +117,30 @@ def padded_step(tr: Trainer, batch: TensorDict, optimizer_step: bool = True) -> 
             loss = loss - lc.entropy_coef * ent
         metrics["learner/entropy"] = float(ent.detach())
     if routers:
-        tok_mask = attn.reshape(-1).float() * live
-        aux = load_balancing_loss(routers, tr.num_experts, tr.top_k, tok_mask, tr.mesh.dp_group, scale=tr.world)
-        metrics["moe/aux_loss"] = float(aux.detach()) / tr.world
-        if lc.aux_loss_coef > 0:
-            loss = loss + lc.aux_loss_coef * aux
-        if lc.z_loss_coef > 0:
-            z = router_z_loss(routers, tok_mask, tr.mesh.dp_group, scale=tr.world)
-            loss = loss + lc.z_loss_coef * z
-            metrics["moe/z_loss"] = float(z.detach()) / tr.world
-        metrics.update(router_metrics(routers, tr.top_k, tok_mask, tr.mesh.dp_group))
+        loss = _add_router_losses(tr, loss, routers, attn.reshape(-1).float() * live, metrics)
     tr.optim.zero_grad(set_to_none=True)
     loss.backward()
     tr.router.drop_grads()
     if optimizer_step:
-        metrics["learner/grad_norm"] = float(clip_grad_norm_on_device(tr.model.parameters(), lc.grad_clip, tr.mesh.dp_group))
+        norm_t = clip_grad_norm_on_device(tr.model.parameters(), lc.grad_clip, tr.mesh.dp_group)
+        metrics["learner/grad_norm"] = float(norm_t)
         tr.optim.step()
         tr.steps_done += 1
     metrics["learner/clip_frac"] = stats["clip_frac"]
     return mean_over_ranks(metrics, tr.world, tr.mesh.dp_group)
+
+
+def _add_router_losses(tr: Trainer, loss: torch.Tensor, routers: list[torch.Tensor], tok_mask: torch.Tensor,
+                       metrics: dict[str, float]) -> torch.Tensor:
+    """``loss`` plus the MoE router losses of the padded rows (``tok_mask``: [B*T]); their metrics into ``metrics``."""
+    lc = tr.cfg.learner
+    aux = load_balancing_loss(routers, tr.num_experts, tr.top_k, tok_mask, tr.mesh.dp_group, scale=tr.world)
+    metrics["moe/aux_loss"] = float(aux.detach()) / tr.world
+    if lc.aux_loss_coef > 0:
+        loss = loss + lc.aux_loss_coef * aux
+    if lc.z_loss_coef > 0:
+        z = router_z_loss(routers, tok_mask, tr.mesh.dp_group, scale=tr.world)
+        loss = loss + lc.z_loss_coef * z
+        metrics["moe/z_loss"] = float(z.detach()) / tr.world
+    metrics.update(router_metrics(routers, tr.top_k, tok_mask, tr.mesh.dp_group))
+    return loss
