@@ -109,7 +109,7 @@ def stopped_report(launch: Launch, signum: int) -> str:
     lines = [f"streamrl-launch: stopped on request ({signal_name(signum)})"]
     if not launch.head:
         return lines[0] + "; the head host holds the checkpoint"
-    from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint  # noqa: PLC0415 (torch, only here)
+    from streamrl.learner.run_checkpoint import checkpoint_dir, latest_checkpoint  # noqa: PLC0415 (torch, only here)
 
     ckpt = latest_checkpoint(checkpoint_dir(launch.cfg))
     if ckpt is None:

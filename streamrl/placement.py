@@ -371,11 +371,11 @@ def assign_threads(plan: NodePlan, cores: int, learner_threads: int = 0, rollout
       not burn the cores another one needs.
     * a CPU learner is told how many threads this host's CPU workers hold
       (``STREAMRL_LENDABLE_THREADS``): with ``placement.lend_idle_cores`` it borrows them while
-      those workers wait (:mod:`streamrl.learner.core_lending`), and never more;
+      those workers wait (:mod:`streamrl.core_lending`), and never more;
     * the other way round, each CPU worker beside a CPU learner is told its share of the
       learner's threads (``STREAMRL_BORROWABLE_THREADS``: the learner ranks' threads split over
       the host's CPU workers, rounded down): it decodes with them while the learner waits for
-      data (:mod:`streamrl.core_borrowing`).
+      data (:mod:`streamrl.core_lending`).
 
     Args:
         plan: this host's plan; each process's ``env`` is updated in place.
@@ -414,10 +414,10 @@ def assign_threads(plan: NodePlan, cores: int, learner_threads: int = 0, rollout
         if total > cores:
             p.env["OMP_WAIT_POLICY"] = "PASSIVE"
     if plan.learner is not None and plan.learner.devices[0].kind == "cpu":
-        # what a CPU learner may borrow while these workers wait (streamrl.learner.core_lending)
+        # what a CPU learner may borrow while these workers wait (streamrl.core_lending)
         plan.learner.env["STREAMRL_LENDABLE_THREADS"] = str(
             sum(sizes[r.name] for r in plan.rollouts if r.devices[0].kind == "cpu"))
-        # and what each CPU worker may borrow while the learner waits (streamrl.core_borrowing)
+        # and what each CPU worker may borrow while the learner waits (streamrl.core_lending)
         cpu_workers = [r for r in plan.rollouts if r.devices[0].kind == "cpu"]
         for r in cpu_workers:
             r.env["STREAMRL_BORROWABLE_THREADS"] = str(sizes[plan.learner.name] * ranks // len(cpu_workers))

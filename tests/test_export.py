@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from streamrl.config import ConfigError, load_config
 from streamrl.export import export_checkpoint, main, write_hf_folder
-from streamrl.learner.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
+from streamrl.learner.run_checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
 from streamrl.learner.trainer import Trainer
 from streamrl.models.tokenizer import build_char_tokenizer
 from tests.dist_helpers import spawn_gloo

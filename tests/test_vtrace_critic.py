@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from streamrl.config import load_config
-from streamrl.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from streamrl.learner.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from streamrl.learner.critic import critic_targets, is_critic_param, response_mdp, value_head
 from streamrl.learner.trainer import Trainer
 from tests.learner_helpers import evaluate_logprobs

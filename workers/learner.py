@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 from streamrl.config import config_from_dict, load_config
 from streamrl.coord.coordinator import Coordinator
-from streamrl.learner.checkpoint import checkpoint_dir
-from streamrl.learner.checkpointer import Checkpointer, RunProgress
-from streamrl.learner.core_lending import BUSY, WAITING, make_core_lender, make_learner_phase
+from streamrl.core_lending import BUSY, WAITING, make_core_lender, make_learner_phase
+from streamrl.learner.checkpoint_manager import Checkpointer, RunProgress
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.intake import Intake
+from streamrl.learner.run_checkpoint import checkpoint_dir
 from streamrl.learner.trainer import Trainer
 from streamrl.learner.warmup import warm_up_pays
 from streamrl.metrics import RateLimitedRedisSink, run_sinks
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         lender.attach(trainer.model)
     intake = publisher = report = phase = None
     if rank == 0:
-        # lend this host's CPU workers the learner's cores while it waits for data (streamrl.core_borrowing)
+        # lend this host's CPU workers the learner's cores while it waits for data (streamrl.core_lending)
         phase = make_learner_phase(cfg, coord, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         intake, publisher = _bind(args, cfg, coord, log)
         report = Reporter(cfg, coord, intake, publisher)

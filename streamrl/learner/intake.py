@@ -18,7 +18,7 @@ versions ahead) is balanced here too: :class:`Admission` is the one place that c
 left, a starving learner).
 
 Every stateful part has ``state_dict()`` / ``load_state_dict()``; :meth:`Intake.state_dict`
-bundles them for :class:`streamrl.learner.checkpointer.Checkpointer`.
+bundles them for :class:`streamrl.learner.checkpoint_manager.Checkpointer`.
 """
 from __future__ import annotations
 

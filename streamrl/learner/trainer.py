@@ -28,8 +28,8 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from streamrl.algorithms.losses import Normalizers
 from streamrl.config import Config, ConfigError
+from streamrl.learner.activation_checkpointing import checkpoint_decoder_layers
 from streamrl.learner.attention import packed_block_mask, resolve_attention, use_packed_attention
-from streamrl.learner.checkpointing import checkpoint_decoder_layers
 from streamrl.learner.critic import attach_value_head, is_critic_param, value_head, vtrace_inputs
 from streamrl.learner.logprobs import HeadRequest, response_head
 from streamrl.learner.metrics import MetricSums, host_metrics, read_minibatch_metrics

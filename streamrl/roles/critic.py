@@ -44,7 +44,7 @@ def critic_role_configured(cfg: Config) -> bool:
 
 def critic_checkpoint_path(cfg: Config) -> Path:
     """``<checkpoint dir>/critic.safetensors`` (next to the learner's checkpoints)."""
-    from streamrl.learner.checkpoint import checkpoint_dir  # noqa: PLC0415 (torch.distributed pieces)
+    from streamrl.learner.run_checkpoint import checkpoint_dir  # noqa: PLC0415 (torch.distributed pieces)
 
     return checkpoint_dir(cfg) / "critic.safetensors"
 
