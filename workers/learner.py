@@ -82,13 +82,7 @@ def main(argv=None) -> int:
     status, clean = "completed", True
     try:
         while run.step < cfg.run.steps:
-            t_wait = time.perf_counter()
-            if phase is not None:
-                phase.set(WAITING)
-            batch = intake.next_batch(run.version) if rank == 0 else None
-            if phase is not None:
-                phase.set(BUSY)
-            idle = time.perf_counter() - t_wait
+            batch, idle = _wait_for_batch(intake, phase, run.version) if rank == 0 else (None, 0.0)
             if broadcast_flag(int(rank == 0 and batch is None)):
                 reason = coord.stop_reason()
                 # a stop on request (Ctrl-C, the launcher) is a clean exit: every rank exits 0, so
@@ -97,14 +91,7 @@ def main(argv=None) -> int:
                 break
             batch = broadcast_batch(batch)
             t_step = time.perf_counter()
-            if lender is not None:
-                lender.apply()
-            metrics = trainer.step(batch)
-            run.version += 1
-            run.step += 1
-            if lender is not None:
-                lender.apply()
-                metrics.update(lender.metrics())
+            metrics = _train_step(trainer, lender, batch, run)
             if run.step % cfg.learner.publish_interval == 0 or run.step == cfg.run.steps:
                 metrics.update(publish(trainer, publisher, run.version))
             if warmup_s:  # reported with the first step: busy time, not idle (streamrl.learner.warmup)
@@ -126,6 +113,31 @@ def main(argv=None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0 if clean else 1
+
+
+def _wait_for_batch(intake: Intake, phase, version: int) -> tuple:
+    """Rank 0: the next batch (None when the run stops or starves) and the seconds waited for
+    it, with the learner's phase ``waiting`` meanwhile (colocated workers borrow its cores)."""
+    t_wait = time.perf_counter()
+    if phase is not None:
+        phase.set(WAITING)
+    batch = intake.next_batch(version)
+    if phase is not None:
+        phase.set(BUSY)
+    return batch, time.perf_counter() - t_wait
+
+
+def _train_step(trainer: Trainer, lender, batch, run: RunProgress) -> dict[str, float]:
+    """One trainer step (with the idle workers' cores lent for it), counted in ``run``; its metrics."""
+    if lender is not None:
+        lender.apply()
+    metrics = trainer.step(batch)
+    run.version += 1
+    run.step += 1
+    if lender is not None:
+        lender.apply()
+        metrics.update(lender.metrics())
+    return metrics
 
 
 def _warm_up(trainer: Trainer, log) -> float:
