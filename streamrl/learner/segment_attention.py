@@ -3,8 +3,9 @@
 Why: on the sdpa path a packed row (:mod:`streamrl.learner.packing`) gets a dense
 ``[1, 1, N, N]`` mask and the CPU kernel computes all ``N^2`` scores. A shared-prompt row of two
 groups (2 x (52 + 8 x 25) tokens) needs about 1/8 of them: each sample's segment sees its unit's
-prompt and itself, a prompt sees itself. On SmolLM2-135M at 2 x 8 samples the masked attention
-was 13 % of the CPU learner step (FlexAttention, which skips empty tiles, has no CPU backward).
+prompt and itself, a prompt sees itself. On SmolLM2-135M at 2 x 8 samples the dense masked
+attention costs ~13 % of the CPU learner step (FlexAttention, which skips empty tiles, has no
+CPU backward).
 
 Here the row is cut into small dense problems, batched, and run through sdpa:
 
