@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from streamrl.bench.padded_reference import packed_gradients
-from streamrl.learner import metrics as metrics_mod, packing
+from streamrl.learner import h2d, metrics as metrics_mod, packing
 from streamrl.learner.packing import (LazyMicroBatches, TrajectoryView, build_microbatch, plan_microbatches,
                                       rank_microbatches)
 
@@ -115,7 +115,7 @@ def test_h2d_grouped_keeps_every_tensor():
           "empty": torch.zeros(0, dtype=torch.int64), "w": torch.rand(7, generator=g),
           "replay": torch.randint(-1, 4, (7, 2, 2), generator=g), "mask": torch.rand(1, 1, 7, 7, generator=g) > 0.5,
           "cols": torch.rand(4, 6, generator=g)[:, ::2]}  # not contiguous
-    out = packing.h2d_grouped(ts, torch.device("cpu"), pin=False)
+    out = h2d.h2d_grouped(ts, torch.device("cpu"), pin=False)
     assert out.keys() == ts.keys()
     for k, t in ts.items():
         assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t), k

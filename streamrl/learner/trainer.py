@@ -34,7 +34,8 @@ from streamrl.learner.critic import attach_value_head, is_critic_param, value_he
 from streamrl.learner.logprobs import HeadRequest, response_head
 from streamrl.learner.metrics import MetricSums, host_metrics, read_minibatch_metrics
 from streamrl.learner.moe_router import RouterController
-from streamrl.learner.packing import LazyMicroBatches, MicroBatch, ResponseGrid, h2d_grouped, rank_microbatches
+from streamrl.learner.h2d import h2d_grouped
+from streamrl.learner.packing import LazyMicroBatches, MicroBatch, ResponseGrid, rank_microbatches
 from streamrl.learner.segment_attention import SegmentLayout, use_segment_attention
 from streamrl.learner.step_inputs import (batch_advantages, batch_response_grid, batch_summary, minibatch_rows,
                                           no_signal, zero_advantage_rows)
@@ -244,7 +245,7 @@ class Trainer:
 
     def _h2d(self, *ts: torch.Tensor) -> list[torch.Tensor]:
         """Host tensors on the learner's device without blocking the host (on CUDA one pinned
-        staging buffer and one copy per dtype: :func:`~streamrl.learner.packing.h2d_grouped`)."""
+        staging buffer and one copy per dtype: :func:`~streamrl.learner.h2d.h2d_grouped`)."""
         if self.device.type == "cpu":
             return list(ts)
         moved = h2d_grouped({str(i): t for i, t in enumerate(ts)}, self.device)
