@@ -95,7 +95,8 @@ def test_step_reads_the_metrics_once_and_they_equal_per_minibatch_reads(monkeypa
     b.model.train()
     with torch.no_grad():
         prox = [[b._run(b.model, x, grid_width=grid.width)[0] for x in micro] for micro, _ in plans]
-    per = [b.train_minibatch(batch, grid, adv, mb, plans[j], prox[j]) for j, mb in enumerate(mbs)]
+    per = [metrics_mod.read_minibatch_metrics([b.train_minibatch(batch, grid, adv, mb, plans[j], prox[j])], b.world)[0]
+           for j, mb in enumerate(mbs)]
     for k in per[0]:
         assert m[k] == pytest.approx(sum(p[k] for p in per) / len(per), rel=1e-6, abs=1e-9), k
     for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):

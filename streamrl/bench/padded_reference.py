@@ -8,6 +8,8 @@ packed step's side of the comparison: its gradient, without the optimizer step.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from tensordict import TensorDict
 
@@ -16,7 +18,7 @@ from streamrl.algorithms.losses import Normalizers
 from streamrl.algorithms.moe_losses import load_balancing_loss, router_z_loss
 from streamrl.algorithms.regularizers import token_entropy
 from streamrl.learner.logprobs import token_logprobs
-from streamrl.learner.metrics import mean_over_ranks
+from streamrl.learner.metrics import mean_over_ranks, read_minibatch_metrics
 from streamrl.learner.moe_router import router_metrics
 from streamrl.learner.step_loss import compute_policy_loss, kl_term
 from streamrl.learner.trainer import Trainer
@@ -71,7 +73,8 @@ def packed_gradients(tr: Trainer, batch: TensorDict) -> dict[str, float]:
     tr.optim.zero_grad(set_to_none=True)
     out: dict[str, float] = {}
     for mb, plan in zip(mbs, plans):
-        out = tr.train_minibatch(batch, grid, adv, mb, plan, optimizer_step=False)
+        sums = tr.train_minibatch(batch, grid, adv, mb, plan, optimizer_step=False)
+        out = read_minibatch_metrics([sums], tr.world, tr.mesh.dp_group)[0]
     return {**out, "learner/dropped_zero_adv_frac": dropped}
 
 
@@ -89,7 +92,8 @@ def padded_step(tr: Trainer, batch: TensorDict, optimizer_step: bool = True) -> 
     replay = padded_routed_experts(batch, t_all, len(tr.blocks)) if (lc.routing_replay and tr.blocks) else None
     adv = group_advantages(pad["reward"], pad["group_id"], normalize_std=lc.adv_std_norm)
     tr.model.train()
-    rows = list(range(b_all))[tr.my_slice(b_all)]
+    per = math.ceil(b_all / tr.world)  # this rank's contiguous rows (ranks may get none)
+    rows = list(range(b_all))[min(tr.rank * per, b_all) : min((tr.rank + 1) * per, b_all)]
     idx, live = rows or [0], 1.0 if rows else 0.0  # an idle rank runs row 0 with zero weight
     ids = pad["input_ids"][idx].to(tr.device)
     attn = pad["attention_mask"][idx].to(tr.device)

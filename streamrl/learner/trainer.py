@@ -117,12 +117,6 @@ class Trainer:
         self.loss_fn = StepLoss(lc, self.num_experts, self.top_k, self.world, self.mesh.dp_group)
         self.steps_done = 0
 
-    def my_slice(self, n: int) -> slice:
-        """Contiguous trajectory range of this rank among ``n`` (ranks may get 0)."""
-        per = math.ceil(n / self.world)
-        lo = min(self.rank * per, n)
-        return slice(lo, min(lo + per, n))
-
     def step(self, batch: TensorDict) -> dict[str, float]:
         """One learner step (``minibatches`` optimizer steps) on a packed batch, same on every rank.
 
@@ -150,8 +144,7 @@ class Trainer:
         # wait for the device per step, not one per minibatch.
         pending = []
         for j, mb in enumerate(mbs):
-            pending.append(self._minibatch_pass(batch, grid, adv, mb, plans[j],
-                                                None if prox_all is None else prox_all[j]))
+            pending.append(self.train_minibatch(batch, grid, adv, mb, plans[j], None if prox_all is None else prox_all[j]))
             if j + 1 < len(mbs):  # the next minibatch's first micro-batch while the device steps
                 plans[j + 1][0].prefetch(0)
         agg: dict[str, float] = {}
@@ -280,21 +273,14 @@ class Trainer:
                 mb.to_grid(res[:, 2], grid_width) if values else None, routers)
 
     def train_minibatch(self, batch: TensorDict, grid: ResponseGrid, adv: torch.Tensor, mb: list[int],
-                        plan: Plan, prox: list[torch.Tensor] | None = None,
-                        optimizer_step: bool = True) -> dict[str, float]:
-        """Accumulate the gradient of minibatch ``mb`` over this rank's micro-batches, then
-        (``optimizer_step``) clip and step. The gradient is that of one loss over the whole
-        minibatch: every term is normalised by global counts (``learner.agg``), and the router
-        losses by each micro-batch's share of the global tokens. Returns its metrics (read from
-        the device once, after the optimizer step is queued).
-        """
-        pending = [self._minibatch_pass(batch, grid, adv, mb, plan, prox, optimizer_step)]
-        return read_minibatch_metrics(pending, self.world, self.mesh.dp_group)[0]
-
-    def _minibatch_pass(self, batch: TensorDict, grid: ResponseGrid, adv: torch.Tensor, mb: list[int],
                         plan: Plan, prox: list[torch.Tensor] | None = None, optimizer_step: bool = True
                         ) -> MetricSums:
-        """:meth:`train_minibatch` up to its metrics, which stay on the device."""
+        """Accumulate the gradient of minibatch ``mb`` over this rank's micro-batches (``plan``),
+        then (``optimizer_step``) clip and step. The gradient is that of one loss over the whole
+        minibatch: every term is normalised by global counts (``learner.agg``), and the router
+        losses by each micro-batch's share of the global tokens. ``prox``: the proximal
+        log-probs of each micro-batch ([b, R]), None for the current weights. Returns the
+        metric sums, still on the device (:func:`~streamrl.learner.metrics.read_minibatch_metrics`)."""
         micro, weights = plan
         # Counts come from the host copy of the grid: nothing below waits for the device until
         # the metrics are read, once, after the optimizer step.
