@@ -10,8 +10,9 @@ from streamrl.config import load_config
 from streamrl.learner.run_checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
                                          load_checkpoint, save_checkpoint)
 from streamrl.learner.trainer import Trainer
-from tests.dist_helpers import spawn_gloo
 from streamrl.trajectory import pack_trajectories
+
+from tests.dist_helpers import spawn_gloo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

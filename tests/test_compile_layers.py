@@ -14,6 +14,7 @@ from streamrl.config import ModelConfig
 from streamrl.models.factory import build_model
 from streamrl.parallel.expert_parallel import parallelize
 from streamrl.parallel.mesh import build_mesh
+
 from tests.dist_helpers import spawn_gloo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

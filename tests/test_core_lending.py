@@ -16,6 +16,7 @@ import torch
 from streamrl.config import ConfigError, load_config
 from streamrl.coord.coordinator import Coordinator
 from streamrl.core_lending import IDLE_STATES, LENDABLE_ENV, CoreLender, make_core_lender
+
 from tests.test_worker_heartbeat import gated_worker
 
 

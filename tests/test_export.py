@@ -16,6 +16,7 @@ from streamrl.export import export_checkpoint, main, write_hf_folder
 from streamrl.learner.run_checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
 from streamrl.learner.trainer import Trainer
 from streamrl.models.tokenizer import build_char_tokenizer
+
 from tests.dist_helpers import spawn_gloo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

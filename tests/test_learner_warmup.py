@@ -13,11 +13,12 @@ import torch
 
 from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
-from tests.learner_helpers import router_ema_state
 from streamrl.learner.warmup import synthetic_batch, warm_up_pays
 from streamrl.parallel.expert_parallel import full_parameter
-from tests.dist_helpers import spawn_gloo
 from streamrl.trajectory import split_trajectories
+
+from tests.dist_helpers import spawn_gloo
+from tests.learner_helpers import router_ema_state
 
 from test_checkpoint import REPO
 from test_packing import BASE, group_batch

@@ -10,6 +10,7 @@ from streamrl.algorithms.losses import (Normalizers, PolicyLossSpec, aggregate, 
                                         policy_loss, ppo_clip_token_loss)
 from streamrl.algorithms.regularizers import kl_penalty, token_entropy
 from streamrl.algorithms.vtrace import vtrace, vtrace_losses
+
 from tests.learner_helpers import ppo_clip_tis_loss
 
 

@@ -9,8 +9,9 @@ import torch
 
 from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
-from tests.learner_helpers import evaluate_logprobs, router_ema_state
 from streamrl.models.moe import convert_moe_blocks
+
+from tests.learner_helpers import evaluate_logprobs, router_ema_state
 
 from test_checkpoint import REPO, make_batch
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from streamrl.bench.padded_reference import packed_gradients, padded_forward, padded_step
 from streamrl.config import load_config
 from streamrl.learner.logprobs import token_logprobs, token_logprobs_chunked
 from streamrl.learner.packing import build_microbatch, plan_microbatches, TrajectoryView
-from streamrl.bench.padded_reference import packed_gradients, padded_forward, padded_step
 from streamrl.learner.trainer import Trainer
 from streamrl.parallel.expert_parallel import full_parameter
-from tests.dist_helpers import spawn_gloo
 from streamrl.trajectory import pack_trajectories, to_padded
+
+from tests.dist_helpers import spawn_gloo
 
 from test_checkpoint import REPO
 

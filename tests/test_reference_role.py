@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
+from streamrl.bench.padded_reference import packed_gradients
 from streamrl.config import load_config
 from streamrl.coord.coordinator import Coordinator
 from streamrl.launcher.process import ManagedProcess
-from streamrl.bench.padded_reference import packed_gradients
 from streamrl.learner.trainer import Trainer
 from streamrl.models.factory import build_model, save_model
 from streamrl.roles.annotate import trajectory_roles

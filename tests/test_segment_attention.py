@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from streamrl.bench.padded_reference import packed_gradients, padded_step
 from streamrl.config import load_config
 from streamrl.learner.attention import dense_packed_mask
 from streamrl.learner.packing import TrajectoryView, build_microbatch, plan_microbatches
-from streamrl.bench.padded_reference import packed_gradients, padded_step
 from streamrl.learner.segment_attention import SegmentLayout, segment_attention
 from streamrl.learner.trainer import Trainer
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from streamrl.config import load_config
-from streamrl.learner.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from streamrl.learner.critic import critic_targets, is_critic_param, response_mdp, value_head
+from streamrl.learner.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from streamrl.learner.trainer import Trainer
-from tests.learner_helpers import evaluate_logprobs
 from streamrl.parallel.expert_parallel import full_parameter
-from tests.dist_helpers import assert_ranks_match_reference, spawn_gloo
 from streamrl.trajectory import pack_trajectories, to_padded
+
+from tests.dist_helpers import assert_ranks_match_reference, spawn_gloo
+from tests.learner_helpers import evaluate_logprobs
 
 from test_checkpoint import REPO, make_batch
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from streamrl.bench.padded_reference import packed_gradients
 from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
-from streamrl.bench.padded_reference import packed_gradients
+
 from tests.dist_helpers import spawn_gloo
 
 from test_bench_learner import save_tiny_llama

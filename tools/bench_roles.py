@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from streamrl.config import load_config
 from streamrl.bench.padded_reference import packed_gradients
+from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
 from streamrl.roles.critic import CriticRole, load_value_model
 from streamrl.roles.reference import ReferenceScorer, load_reference_model

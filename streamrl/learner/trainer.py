@@ -297,7 +297,7 @@ class Trainer:
                                                    values=True)
             out = ForwardOutputs(logp, ent, values, routers)
             tgt = self._loss_targets(batch, grid, dev_grid, m, out, None if prox is None else prox[i],
-                                     None if crit_pre is None else crit_pre[i], norm)
+                                     None if crit_pre is None else crit_pre[i])
             tgt.router_share, tgt.micro_batches = weights[i] / total_w, len(micro)
             loss, metrics = self.loss_fn(out, tgt, norm)
             sums.add_all(metrics)
@@ -313,8 +313,7 @@ class Trainer:
         return sums
 
     def _loss_targets(self, batch: TensorDict, grid: ResponseGrid, dev_grid: list[torch.Tensor], m: MicroBatch,
-                      out: ForwardOutputs, prox: torch.Tensor | None, crit: tuple | None, norm: Normalizers
-                      ) -> LossTargets:
+                      out: ForwardOutputs, prox: torch.Tensor | None, crit: tuple | None) -> LossTargets:
         """What micro-batch ``m``'s forward ``out`` is scored against; ``dev_grid``: the
         (loss mask, behaviour log-probs, advantages) of the batch on the device."""
         live = 0.0 if m.dummy else 1.0
