@@ -308,7 +308,7 @@ class LearnerConfig:
     max_staleness: int = 4
     """Largest accepted version lag (learner version - oldest token version); 0 = on-policy."""
     loss: str = "grpo_tis"
-    """Policy loss (see streamrl.learner.objective.LOSSES): grpo_tis, grpo_no_correction, grpo_mis,
+    """Policy loss (see streamrl.learner.step_loss.LOSSES): grpo_tis, grpo_no_correction, grpo_mis,
     grpo_seq_tis, grpo_seq_mis, decoupled_ppo, ppo_coupled, gspo, vtrace (critic variant)."""
     clip_low: float = 0.2
     """PPO clip epsilon below 1."""

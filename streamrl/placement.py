@@ -385,11 +385,11 @@ def assign_threads(plan: NodePlan, cores: int, learner_threads: int = 0, rollout
       not burn the cores another one needs.
     * a CPU learner is told how many threads this host's CPU workers hold
       (``STREAMRL_LENDABLE_THREADS``): with ``placement.lend_idle_cores`` it borrows them while
-      those workers wait (:mod:`streamrl.learner.core_lending`), and never more;
+      those workers wait (:mod:`streamrl.core_lending`), and never more;
     * the other way round, each CPU worker beside a CPU learner is told its share of the
       learner's threads (``STREAMRL_BORROWABLE_THREADS``: the learner ranks' threads split over
       the host's CPU workers, rounded down): it decodes with them while the learner waits for
-      data (:mod:`streamrl.core_borrowing`).
+      data (:mod:`streamrl.core_lending`).
 
     Args:
         plan: this host's plan; each process's ``env`` is updated in place.
@@ -441,8 +441,8 @@ def _lending_env(plan: NodePlan, sizes: dict[str, int]) -> None:
     """Tell a CPU learner and this host's CPU workers how many of each other's threads they may borrow."""
     ranks = len(plan.learner.devices)
     cpu_workers = [r for r in plan.rollouts if r.devices[0].kind == "cpu"]
-    # what the learner may borrow while these workers wait (streamrl.learner.core_lending)
+    # what the learner may borrow while these workers wait (streamrl.core_lending)
     plan.learner.env["STREAMRL_LENDABLE_THREADS"] = str(sum(sizes[r.name] for r in cpu_workers))
-    # and what each CPU worker may borrow while the learner waits (streamrl.core_borrowing)
+    # and what each CPU worker may borrow while the learner waits (streamrl.core_lending)
     for r in cpu_workers:
         r.env["STREAMRL_BORROWABLE_THREADS"] = str(sizes[plan.learner.name] * ranks // len(cpu_workers))

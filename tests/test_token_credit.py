@@ -238,7 +238,7 @@ def _broadcast(rank, world):
 
 @pytest.mark.timeout(120)
 def test_broadcast_batch_carries_token_rewards_to_every_rank():
-    from streamrl.parallel.testing import spawn_gloo
+    from tests.dist_helpers import spawn_gloo
 
     for got in spawn_gloo(_broadcast, 2, timeout_s=100):
         assert torch.equal(got, _batch()["token_rewards"])

@@ -16,7 +16,7 @@ under ``block_sparse_moe``, or an already fused ``experts.gate_up_proj [E, 2I, H
 
 Why not ``torch.distributed.checkpoint.hf_storage``: its reader maps checkpoint keys 1:1 onto
 state-dict keys, so it cannot assemble our fused, ep-sliced expert tensors from per-expert
-keys; a DCP checkpoint of the learner (``streamrl.learner.checkpoint``) already loads into the
+keys; a DCP checkpoint of the learner (``streamrl.learner.run_checkpoint``) already loads into the
 sharded state dict and needs nothing from here.
 
 Buffers (rotary ``inv_freq``) are not in safetensors: :func:`params_on_meta` puts only

@@ -25,6 +25,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from streamrl.models.families import check_converted_logits, moe_family, probe_ids, reference_logits
 from streamrl.models.moe import EPMoEBlock, convert_moe_blocks, is_expert_param
@@ -156,8 +158,6 @@ def _shard(model: nn.Module, blocks: list[EPMoEBlock], mesh: LearnerMesh, device
         compile_decoder_layers(model)
     if mesh.dims.world == 1:
         return
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mp = MixedPrecisionPolicy()
     if device.type == "cuda" and mixed_precision:
         # param_dtype: a no-op cast for a bf16 model, the bf16 compute copy of an fp32 one.
@@ -210,8 +210,6 @@ def global_expert_view(t: torch.Tensor, mesh: LearnerMesh) -> torch.Tensor:
     ep = mesh.dims.ep
     if ep == 1:
         return t
-    from torch.distributed.tensor import DTensor, Shard
-
     local = t.to_local() if isinstance(t, DTensor) else t
     shape = (t.shape[0] * ep, *t.shape[1:])
     stride = torch.empty(shape, device="meta").stride()
