@@ -12,21 +12,6 @@ HARD_LIMIT = 80
 SOFT_LIMIT = 60
 MAX_OVER_SOFT = 5
 
-# TEMPORARY: functions over the hard limit that their owners are splitting. Empty it.
-PENDING_OVER_HARD = {
-    "streamrl/learner/trainer.py::_minibatch_pass",
-    "streamrl/engines/hf_fast.py::__init__",
-    "streamrl/bench/learner.py::run_child",
-    "streamrl/envs/episode.py::run_episodes",
-    "streamrl/weights/subscriber.py::_fetch",
-    "streamrl/bench/rollout.py::bench_pair",
-    "streamrl/bench/hf_fast.py::bench_fast_vs_generate",
-    "streamrl/algorithms/advantages.py::token_group_advantages",
-    "workers/rollout.py::run",
-    "streamrl/bench/learner_step.py::main",
-}
-# TEMPORARY: how many functions over the soft limit the pending splits leave; lower it to MAX_OVER_SOFT.
-PENDING_MAX_OVER_SOFT = 21
 
 
 def function_lengths() -> dict[str, int]:
@@ -47,18 +32,11 @@ def _listing(rows: dict[str, int]) -> str:
 
 
 def test_no_function_over_the_hard_limit():
-    over = {k: n for k, n in function_lengths().items() if n > HARD_LIMIT and k not in PENDING_OVER_HARD}
+    over = {k: n for k, n in function_lengths().items() if n > HARD_LIMIT}
     assert not over, f"functions over {HARD_LIMIT} lines (split them):\n{_listing(over)}"
 
 
 def test_few_functions_over_the_soft_limit():
     over = {k: n for k, n in function_lengths().items() if n > SOFT_LIMIT}
-    allowed = max(MAX_OVER_SOFT, PENDING_MAX_OVER_SOFT)
-    assert len(over) <= allowed, f"{len(over)} functions over {SOFT_LIMIT} lines, at most {allowed}:\n{_listing(over)}"
-
-
-def test_pending_entries_are_still_long():
-    """A split pending function must leave the list (so that it cannot grow back unseen)."""
-    lengths = function_lengths()
-    done = sorted(k for k in PENDING_OVER_HARD if lengths.get(k, 0) <= HARD_LIMIT)
-    assert not done, f"no longer over {HARD_LIMIT} lines, remove from PENDING_OVER_HARD: {done}"
+    assert len(over) <= MAX_OVER_SOFT, (
+        f"{len(over)} functions over {SOFT_LIMIT} lines, at most {MAX_OVER_SOFT}:\n{_listing(over)}")
