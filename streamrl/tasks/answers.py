@@ -85,3 +85,27 @@ def extract_answer(response: str, expected: str) -> str | None:
     if not lines:
         return None
     return _clean_line(lines[-1]) or None
+
+
+_FINAL_MARKER = re.compile(r"^\W*(?:final\s+)?answer\s*[:=]\s*(.*)$", re.IGNORECASE | re.MULTILINE)
+
+
+def final_answer(response: str, expected: str) -> str | None:
+    """The answer on the last ``Answer: X`` line of a worked response, or None without one.
+
+    A chain of thought holds many numbers; only the one the response commits to counts, so a
+    response that never writes the marker line gives no answer (the ``think`` prompt format asks
+    for that line). The marker's text goes through :func:`extract_answer` (``Answer: 47 legs``
+    reads ``47`` when a number is expected; ``**Answer:** 47`` is accepted too).
+
+    Examples:
+        >>> final_answer("3 + 4 = 7, plus 5 is 12.\\nAnswer: 12", "12")
+        '12'
+        >>> final_answer("3 + 4 = 7, plus 5 is 12.", "12") is None
+        True
+    """
+    found = _FINAL_MARKER.findall(response.replace("**", ""))
+    if not found:
+        return None
+    text = found[-1].strip()
+    return extract_answer(text, expected) if text else None

@@ -1,0 +1,120 @@
+"""Scoring the race's checkpoints with one evaluator, and comparing the two accuracy curves.
+
+Every checkpoint of both sides (and the base model, at time 0) goes through
+:func:`score_folder`: the same held-out problems, the same greedy decode, the same token limit
+and the same reward (:func:`streamrl.evaluate.evaluate_config`), so a gap between the curves is
+the training's and not the scorer's.
+
+A *curve* is a list of points ``{"fraction", "time_s", "samples", "accuracy", "stderr", ...}``
+in time order, the first being the base model (``time_s`` 0). ``time_to_accuracy`` reads the
+first time a curve reaches an accuracy, linearly interpolated between points.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+
+from streamrl.evaluate import evaluate_config, eval_set
+from streamrl.models.factory import load_model_and_tokenizer
+from streamrl.tasks import build_task
+
+# curve keys copied from an evaluation row (eval/accuracy/<set> are added per set)
+ROW_KEYS = ("eval/accuracy", "eval/reward_mean", "eval/truncated", "eval/response_tokens_median", "eval/n")
+
+
+def stderr(p: float, n: int) -> float:
+    """Binomial standard error of an accuracy ``p`` over ``n`` problems."""
+    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
+
+
+def score_folder(folder: str | Path, cfg, device: str) -> dict:
+    """Greedy held-out evaluation of the HF folder ``folder`` under ``cfg``'s task and ``eval.*``.
+
+    Returns the curve fields: ``accuracy``, ``stderr``, ``truncated``, ``response_tokens_median``,
+    ``n`` and ``sets`` (``{set: {"accuracy", "stderr", "n"}}`` per held-out set of a task mix).
+    """
+    model_cfg = dataclasses.replace(cfg.model, path=str(folder))
+    model, tok = load_model_and_tokenizer(model_cfg, seed=cfg.run.seed)
+    model.to(device)
+    task = build_task(cfg.task)
+    with torch.no_grad():
+        row = evaluate_config(model, tok, cfg, task, eval_set(cfg, task))
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return curve_fields(row)
+
+
+def curve_fields(row: dict) -> dict:
+    """An evaluation row (``eval/*`` keys) -> the fields of one curve point."""
+    n = int(row["eval/n"])
+    acc = float(row["eval/accuracy"])
+    sets = {}
+    for key, value in row.items():
+        if key.startswith("eval/accuracy/"):
+            name = key[len("eval/accuracy/"):]
+            size = int(row.get(f"eval/n/{name}", 0)) or None
+            sets[name] = {"accuracy": float(value), "stderr": stderr(float(value), size) if size else None, "n": size}
+    return {"accuracy": acc, "stderr": stderr(acc, n), "n": n, "truncated": float(row.get("eval/truncated", 0.0)),
+            "response_tokens_median": row.get("eval/response_tokens_median"), "sets": sets}
+
+
+def time_to_accuracy(points: list[dict], target: float) -> float | None:
+    """First time (s) the curve reaches ``target``, linear between points; None if it never does."""
+    prev = None
+    for pt in points:
+        if pt["accuracy"] >= target:
+            if prev is None or prev["accuracy"] >= target:
+                return float(pt["time_s"])
+            share = (target - prev["accuracy"]) / (pt["accuracy"] - prev["accuracy"])
+            return float(prev["time_s"] + share * (pt["time_s"] - prev["time_s"]))
+        prev = pt
+    return None
+
+
+def compare(streamrl: list[dict], peer: list[dict]) -> dict:
+    """The race's figures from the two curves (each starting with the base model's point).
+
+    ``time_to_peer_final_accuracy_ratio`` = (peer's first time at its final accuracy) /
+    (StreamRL's first time at that accuracy). Rules: when StreamRL never reaches it, the ratio is
+    None and ``streamrl_reached_peer_final`` False; when the peer's final accuracy is not above the
+    base model's (nothing learned to race for), the ratio is None and ``peer_improved`` False.
+    """
+    target = peer[-1]["accuracy"]
+    base = peer[0]["accuracy"]
+    peer_t = time_to_accuracy(peer, target)
+    ours_t = time_to_accuracy(streamrl, target)
+    improved = target > base
+    ratio = peer_t / ours_t if improved and ours_t and peer_t is not None else None
+    final_gap = streamrl[-1]["accuracy"] - target
+    gap_se = math.hypot(streamrl[-1]["stderr"], peer[-1]["stderr"])
+    return {"peer_final_accuracy": target, "peer_time_to_final_s": peer_t, "streamrl_time_to_peer_final_s": ours_t,
+            "time_to_peer_final_accuracy_ratio": ratio, "streamrl_reached_peer_final": ours_t is not None,
+            "peer_improved": improved, "final_accuracy_gap": final_gap, "final_accuracy_gap_stderr": gap_se,
+            "streamrl_ends_above_peer": final_gap > gap_se}
+
+
+def plot(curves: dict[str, list[dict]], path: Path, title: str) -> None:
+    """Held-out accuracy (+- stderr) vs wall time, one line per side; a PNG at ``path``."""
+    import matplotlib  # noqa: PLC0415 (plotting only when a PNG is asked for)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, pts in curves.items():
+        t = [p["time_s"] for p in pts]
+        acc = [p["accuracy"] for p in pts]
+        err = [p["stderr"] for p in pts]
+        ax.errorbar(t, acc, yerr=err, marker="o", capsize=3, label=name)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
