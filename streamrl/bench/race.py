@@ -54,11 +54,17 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def scored_curve(cfg, points: list[dict], base: dict, device: str) -> list[dict]:
+def scored_curve(cfg, points: list[dict], base: dict, device: str, budget_s: float) -> list[dict]:
     """The base model's point then each export's, scored by the one evaluator."""
     curve = [{"fraction": 0.0, "time_s": 0.0, "step": 0, "samples": 0, **base}]
+    scores = {str(cfg.model.path): base}  # a folder scored once (the base model may stand at several marks)
     for pt in points:
-        curve.append({**{k: v for k, v in pt.items() if k != "folder"}, **score_folder(pt["folder"], cfg, device)})
+        fields = {k: v for k, v in pt.items() if k != "folder"}
+        if fields["time_s"] is None:  # a mark reached before the first export: the base model then
+            fields["time_s"] = pt["fraction"] * budget_s
+        if str(pt["folder"]) not in scores:
+            scores[str(pt["folder"])] = score_folder(pt["folder"], cfg, device)
+        curve.append({**fields, **scores[str(pt["folder"])]})
     return curve
 
 
@@ -80,7 +86,7 @@ def run_side(args, side: str, cfg, out: Path, device: str) -> dict:
     train_s = time.time() - t0
     base = score_folder(cfg.model.path, cfg, device)
     result = {"side": side, "budget_s": args.budget_s, "train_wall_s": round(train_s, 1),
-              "curve": scored_curve(cfg, points, base, device), "config": args.config, "overrides": args.overrides,
+              "curve": scored_curve(cfg, points, base, device, args.budget_s), "config": args.config, "overrides": args.overrides,
               "scoring_s": round(time.time() - t0 - train_s, 1)}
     (out / f"{side}.json").write_text(json.dumps(result, indent=2))
     return result

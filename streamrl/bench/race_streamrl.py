@@ -65,11 +65,14 @@ def run_streamrl_side(config: str, out: Path, budget_s: float, rollers: int, exp
                       overrides: list[str], groups_x_samples: int) -> list[dict]:
     """Train under the budget; returns ``[{"fraction", "time_s", "step", "samples", "folder"}]``.
 
-    ``groups_x_samples``: trajectories per learner step (groups_per_step x group_size).
+    ``groups_x_samples``: trajectories per learner step (groups_per_step x group_size). A mark
+    reached before the first export is the base model (step 0, ``time_s`` None: the caller puts
+    the mark's time there).
     """
     run_dir = out / "streamrl-run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cfg_dir = hf_export_dir(_run_cfg(config, run_dir, overrides), 0).parent
+    run_cfg = _run_cfg(config, run_dir, overrides)
+    cfg_dir, base_model = hf_export_dir(run_cfg, 0).parent, run_cfg.model.path
     log = (out / "streamrl-launch.log").open("w")
     t0 = time.time()
     proc = subprocess.Popen(launch_command(config, run_dir, rollers, export_every, overrides), stdout=log,
@@ -92,13 +95,17 @@ def run_streamrl_side(config: str, out: Path, budget_s: float, rollers: int, exp
             proc.wait()
         log.close()
     folders = _step_folders(cfg_dir)
-    if not folders:
-        raise RuntimeError(f"the StreamRL run wrote no HF folder under {cfg_dir}")
-    final = max(folders)
-    points = [_point(m, watcher.seen.get(d, stop_s), d, groups_x_samples) for m, d in sorted(watcher.pinned.items())]
-    points.append(_point(1.0, stop_s, final, groups_x_samples))
+    points = [_point(m, watcher.seen[watcher.pinned[m]], watcher.pinned[m], groups_x_samples) if m in watcher.pinned
+              else _untrained(m, base_model) for m in MARKS[:-1]]
+    # no folder at all: the budget ended before the first learner step (start-up took all of it)
+    points.append(_point(1.0, stop_s, max(folders), groups_x_samples) if folders else _untrained(1.0, base_model))
     (out / "streamrl-exports.json").write_text(json.dumps(points, indent=2))
     return points
+
+
+def _untrained(fraction: float, base_model: str) -> dict:
+    """A mark reached before any export: the model is still the base model."""
+    return {"fraction": fraction, "time_s": None, "step": 0, "samples": 0, "folder": base_model}
 
 
 def _point(fraction: float, time_s: float, folder: Path, groups_x_samples: int) -> dict:
