@@ -91,3 +91,18 @@ def test_race_runs_both_sides_and_scores_them_with_one_evaluator(tmp_path, repo)
     # that would overrun it (its first step on a busy 2-core machine can end past the budget)
     assert res["streamrl"][-1]["time_s"] == pytest.approx(40, abs=2)
     assert "time_to_peer_final_accuracy_ratio" in res and res["budget_s"] == 40
+
+
+@pytest.mark.slow
+def test_cpu_race_on_smollm2_scores_both_curves(tmp_path, repo):
+    """A longer race on the real model (configs/race-cpu.yaml), both sides in one invocation."""
+    if not (repo / "models/smol/config.json").is_file():
+        pytest.skip("models/smol not prepared (streamrl-prepare-model --out models/smol --experts 0)")
+    out = tmp_path / "race"
+    assert race.main(["--config", str(repo / "configs/race-cpu.yaml"), "--out", str(out), "--budget-s", "240",
+                      "--device", "cpu", f"model.path={repo / 'models/smol'}", "eval.size=48"]) == 0
+    res = json.loads((out / "race.json").read_text())
+    for side in ("streamrl", "peer"):
+        assert len(res[side]) == 5 and res[side][-1]["samples"] > 0
+        assert "held_out_families" in res[side][-1]["sets"]
+    assert res["streamrl"][0] == {**res["peer"][0]}  # the base model, scored by the one evaluator
