@@ -11,8 +11,8 @@ and every folder, with the base model at time 0, is scored by one evaluator
 
 One side per invocation (a GPU call fits one side) and a combine step, or both at once::
 
-    streamrl-bench race --config configs/gpu-reasoning.yaml --side streamrl --out runs/race --budget-s 420
-    streamrl-bench race --config configs/gpu-reasoning.yaml --side peer --out runs/race --budget-s 420
+    streamrl-bench race --config configs/gpu-reasoning.yaml --side streamrl --out runs/race --budget-s 360
+    streamrl-bench race --config configs/gpu-reasoning.yaml --side peer --out runs/race --budget-s 360
     streamrl-bench race --combine runs/race --json
     streamrl-bench race --config configs/race-tiny.yaml --budget-s 60 --device cpu --json   # both sides
 
@@ -42,7 +42,7 @@ def parse_args(argv):
     p.add_argument("--config", default="configs/gpu-reasoning.yaml")
     p.add_argument("--side", choices=(*SIDES, "both"), default="both")
     p.add_argument("--out", default="runs/race", help="folder for the runs, the side JSONs, race.json and race.png")
-    p.add_argument("--budget-s", type=float, default=420.0, help="wall-clock training budget of each side")
+    p.add_argument("--budget-s", type=float, default=360.0, help="wall-clock training budget of each side")
     p.add_argument("--rollers", type=int, default=1, help="StreamRL rollout workers")
     p.add_argument("--export-every", type=int, default=5,
                    help="StreamRL learner steps between HF exports (the marks take the newest before them)")

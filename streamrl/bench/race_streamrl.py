@@ -31,10 +31,11 @@ def _step_folders(root: Path) -> list[Path]:
 
 
 def launch_command(config: str, run_dir: Path, rollers: int, export_every: int, overrides: list[str]) -> list[str]:
-    """The launcher's command line: a step count the budget never reaches, timed HF exports kept."""
+    """The launcher's command line: a step count the budget never reaches, timed HF exports kept,
+    no evaluator process (the race scores the exports afterwards; the peer has no evaluator either)."""
     return [sys.executable, "-m", "streamrl.launcher.launch", "--config", config, "--learners", "1",
             "--rollers", str(rollers), "--steps", "1000000", "--run-dir", str(run_dir), *overrides,
-            f"checkpoint.hf_interval={export_every}", "checkpoint.keep_last=1000000", "checkpoint.save_on_stop=true",
+            "eval.interval=0", f"checkpoint.hf_interval={export_every}", "checkpoint.keep_last=1000000", "checkpoint.save_on_stop=true",
             "checkpoint.save_interval=0"]
 
 
