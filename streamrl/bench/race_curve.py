@@ -98,23 +98,25 @@ def compare(streamrl: list[dict], peer: list[dict]) -> dict:
 
 
 def plot(curves: dict[str, list[dict]], path: Path, title: str) -> None:
-    """Held-out accuracy (+- stderr) vs wall time, one line per side; a PNG at ``path``."""
+    """Held-out accuracy (+- stderr) vs wall time, one line per side; a PNG at ``path``. A second
+    panel shows the held-out families alone when the task mix has some (the skill's transfer)."""
     import matplotlib  # noqa: PLC0415 (plotting only when a PNG is asked for)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, pts in curves.items():
-        t = [p["time_s"] for p in pts]
-        acc = [p["accuracy"] for p in pts]
-        err = [p["stderr"] for p in pts]
-        ax.errorbar(t, acc, yerr=err, marker="o", capsize=3, label=name)
-    ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("held-out greedy accuracy")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    panels = [("all held-out items", lambda p: p)]
+    if all("held_out_families" in p.get("sets", {}) for pts in curves.values() for p in pts):
+        panels.append(("task families never trained on", lambda p: p["sets"]["held_out_families"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.2), squeeze=False)
+    for ax, (name, pick) in zip(axes[0], panels):
+        for side, pts in curves.items():
+            ax.errorbar([p["time_s"] for p in pts], [pick(p)["accuracy"] for p in pts],
+                        yerr=[pick(p)["stderr"] or 0.0 for p in pts], marker="o", capsize=3, label=side)
+        ax.set(xlabel="wall time (s)", ylabel="greedy accuracy", title=name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
