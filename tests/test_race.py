@@ -106,3 +106,13 @@ def test_cpu_race_on_smollm2_scores_both_curves(tmp_path, repo):
         assert len(res[side]) == 5 and res[side][-1]["samples"] > 0
         assert "held_out_families" in res[side][-1]["sets"]
     assert res["streamrl"][0] == {**res["peer"][0]}  # the base model, scored by the one evaluator
+
+
+def test_compare_reports_the_never_trained_families_base_vs_final():
+    fam = lambda a: {"held_out_families": {"accuracy": a, "stderr": 0.05, "n": 40}}  # noqa: E731
+    ours = [{**pt(0, 0.1), "sets": fam(0.1)}, {**pt(100, 0.4), "sets": fam(0.3)}]
+    peer = [{**pt(0, 0.1), "sets": fam(0.1)}, {**pt(100, 0.2), "sets": fam(0.15)}]
+    res = compare(ours, peer)
+    assert res["streamrl_held_out_families"]["gain"] == pytest.approx(0.2)
+    assert res["peer_held_out_families"]["final"] == 0.15
+    assert "streamrl_held_out_families" not in compare([pt(0, 0.1), pt(1, 0.2)], [pt(0, 0.1), pt(1, 0.2)])

@@ -91,10 +91,20 @@ def compare(streamrl: list[dict], peer: list[dict]) -> dict:
     ratio = peer_t / ours_t if improved and ours_t and peer_t is not None else None
     final_gap = streamrl[-1]["accuracy"] - target
     gap_se = math.hypot(streamrl[-1]["stderr"], peer[-1]["stderr"])
-    return {"peer_final_accuracy": target, "peer_time_to_final_s": peer_t, "streamrl_time_to_peer_final_s": ours_t,
+    gains = {f"{name}_held_out_families": family_gain(curve) for name, curve in (("streamrl", streamrl), ("peer", peer))}
+    return {**{k: v for k, v in gains.items() if v is not None}, "peer_final_accuracy": target, "peer_time_to_final_s": peer_t, "streamrl_time_to_peer_final_s": ours_t,
             "time_to_peer_final_accuracy_ratio": ratio, "streamrl_reached_peer_final": ours_t is not None,
             "peer_improved": improved, "final_accuracy_gap": final_gap, "final_accuracy_gap_stderr": gap_se,
             "streamrl_ends_above_peer": final_gap > gap_se}
+
+
+def family_gain(curve: list[dict]) -> dict | None:
+    """Base vs final accuracy (with stderrs) on the families training never saw; None without any."""
+    first, last = (p.get("sets", {}).get("held_out_families") for p in (curve[0], curve[-1]))
+    if first is None or last is None:
+        return None
+    return {"base": first["accuracy"], "base_stderr": first["stderr"], "final": last["accuracy"],
+            "final_stderr": last["stderr"], "gain": last["accuracy"] - first["accuracy"]}
 
 
 def plot(curves: dict[str, list[dict]], path: Path, title: str) -> None:
