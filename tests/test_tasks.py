@@ -163,6 +163,8 @@ def test_smol_reasoning_recipe_mixes_its_datasets_on_held_out_items():
     ("7 * 3 = 21, 21 + 4 = 25.\nAnswer: 25", "25", "25"),
     ("first 12, then 14\n**Answer:** 14.", "14", "14"),
     ("Answer: 3 cats and 2 ducks have 16 legs\nFinal answer: 16 legs", "16", "16"),
+    ("So, the answer is: 564.", "564", "564"),
+    ("To find the answer, add 3 and 4: 7", "7", None),  # "answer" without "is" / ":" states nothing
     ("7 * 3 = 21, 21 + 4 = 25.", "25", None),  # no answer line: no answer, whatever the numbers
     ("Answer:", "5", None),
 ])

@@ -54,7 +54,8 @@ ITEMS = 2**20
 
 ANSWER_FORMATS = {
     "final": "\nGive only the final answer.",
-    "think": "\nThink step by step. Then write the final answer on the last line, as: Answer: <answer>",
+    "think": "\nThink step by step and show each calculation. Then write the final answer on the last line, "
+             "as: Answer: <answer>",
     "tag": "\nPut only the final answer inside <answer></answer>.",
     "none": "",
 }
