@@ -86,7 +86,8 @@ def run_side(args, side: str, cfg, out: Path, device: str) -> dict:
     train_s = time.time() - t0
     base = score_folder(cfg.model.path, cfg, device)
     result = {"side": side, "budget_s": args.budget_s, "train_wall_s": round(train_s, 1),
-              "curve": scored_curve(cfg, points, base, device, args.budget_s), "config": args.config, "overrides": args.overrides,
+              "curve": scored_curve(cfg, points, base, device, args.budget_s), "config": args.config,
+              "overrides": args.overrides,
               "scoring_s": round(time.time() - t0 - train_s, 1)}
     (out / f"{side}.json").write_text(json.dumps(result, indent=2))
     return result

@@ -92,7 +92,8 @@ def compare(streamrl: list[dict], peer: list[dict]) -> dict:
     final_gap = streamrl[-1]["accuracy"] - target
     gap_se = math.hypot(streamrl[-1]["stderr"], peer[-1]["stderr"])
     gains = {f"{name}_held_out_families": family_gain(curve) for name, curve in (("streamrl", streamrl), ("peer", peer))}
-    return {**{k: v for k, v in gains.items() if v is not None}, "peer_final_accuracy": target, "peer_time_to_final_s": peer_t, "streamrl_time_to_peer_final_s": ours_t,
+    return {**{k: v for k, v in gains.items() if v is not None}, "peer_final_accuracy": target,
+            "peer_time_to_final_s": peer_t, "streamrl_time_to_peer_final_s": ours_t,
             "time_to_peer_final_accuracy_ratio": ratio, "streamrl_reached_peer_final": ours_t is not None,
             "peer_improved": improved, "final_accuracy_gap": final_gap, "final_accuracy_gap_stderr": gap_se,
             "streamrl_ends_above_peer": final_gap > gap_se}

@@ -35,7 +35,8 @@ def launch_command(config: str, run_dir: Path, rollers: int, export_every: int, 
     no evaluator process (the race scores the exports afterwards; the peer has no evaluator either)."""
     return [sys.executable, "-m", "streamrl.launcher.launch", "--config", config, "--learners", "1",
             "--rollers", str(rollers), "--steps", "1000000", "--run-dir", str(run_dir), *overrides,
-            "eval.interval=0", f"checkpoint.hf_interval={export_every}", "checkpoint.keep_last=1000000", "checkpoint.save_on_stop=true",
+            "eval.interval=0", f"checkpoint.hf_interval={export_every}", "checkpoint.keep_last=1000000",
+            "checkpoint.save_on_stop=true",
             "checkpoint.save_interval=0"]
 
 
