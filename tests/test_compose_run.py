@@ -94,7 +94,7 @@ def test_single_host_compose_run_survives_a_killed_rollout(docker_image, tmp_pat
     run_id = f"compose-{uuid.uuid4().hex[:8]}"
     env = base_env(runs, run_id, docker_image)
     env.update(CONFIG=write_config(runs, "compose-test.yaml"), LEARNERS="1", STEPS=str(steps),
-               REDIS_HOST="127.0.0.1", LEARNER_HOST="127.0.0.1")
+               REDIS_HOST="127.0.0.1", LEARNER_HOST="127.0.0.1", LEARNER_BIND="127.0.0.1")
     project = Project(f"srl-{uuid.uuid4().hex[:8]}", [DOCKER / "compose.yaml", HOST_NETWORK], env)
     coord = Coordinator(f"redis://:{env['REDIS_PASSWORD']}@127.0.0.1:{env['REDIS_PORT']}/0", run_id)
     run_dir = runs / run_id
@@ -129,8 +129,9 @@ def test_multinode_profiles_as_three_projects(docker_image, tmp_path):
     # Two learner ranks, one on the head and one on the learner node (placement names both nodes).
     config = write_config(hosts[0], "mn.yaml", learner=["node0-1:cpu"])
     write_config(hosts[1], "mn.yaml", learner=["node0-1:cpu"])
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NNODES="3", CONFIG=config, LEARNERS="2",
-               STEPS=str(steps), GLOO_SOCKET_IFNAME="lo")
+    # NODE_RANK=0 on the head too: compose interpolates every service's variables, in any profile.
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NNODES="3", NODE_RANK="0", CONFIG=config,
+               LEARNERS="2", STEPS=str(steps), GLOO_SOCKET_IFNAME="lo")
     name = f"srl-{uuid.uuid4().hex[:8]}"
     files = [DOCKER / "compose.multinode.yaml"]
     head = Project(f"{name}-head", files, env, profiles=("head",))
