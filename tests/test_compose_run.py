@@ -122,22 +122,21 @@ def test_single_host_compose_run_survives_a_killed_rollout(docker_image, tmp_pat
 
 def test_multinode_profiles_as_three_projects(docker_image, tmp_path):
     steps, run_id = 8, f"mn-{uuid.uuid4().hex[:8]}"
-    hosts = [tmp_path / f"h{i}" for i in range(3)]
-    for h in hosts:
-        h.mkdir()
-    env = base_env(hosts[0], run_id, docker_image)
+    head_dir, rollout_dir = tmp_path / "head", tmp_path / "node2"
+    head_dir.mkdir(), rollout_dir.mkdir()
+    env = base_env(head_dir, run_id, docker_image)
     # Two learner ranks, one on the head and one on the learner node (placement names both nodes).
-    config = write_config(hosts[0], "mn.yaml", learner=["node0-1:cpu"])
-    write_config(hosts[1], "mn.yaml", learner=["node0-1:cpu"])
+    config = write_config(head_dir, "mn.yaml", learner=["node0-1:cpu"])
     # NODE_RANK=0 on the head too: compose interpolates every service's variables, in any profile.
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NNODES="3", NODE_RANK="0", CONFIG=config,
                LEARNERS="2", STEPS=str(steps), GLOO_SOCKET_IFNAME="lo")
     name = f"srl-{uuid.uuid4().hex[:8]}"
     files = [DOCKER / "compose.multinode.yaml"]
     head = Project(f"{name}-head", files, env, profiles=("head",))
-    learner_node = Project(f"{name}-node1", files, {**env, "NODE_RANK": "1", "RUNS_DIR": str(hosts[1])},
-                           profiles=("learner-node",))
-    rollout = Project(f"{name}-node2", files, {**env, "NODE_RANK": "2", "ROLLERS": "2", "RUNS_DIR": str(hosts[2])},
+    # Learner nodes share the run folder (every rank writes its part of a checkpoint there), as
+    # hosts would share a file system; the rollout host has a folder of its own.
+    learner_node = Project(f"{name}-node1", files, {**env, "NODE_RANK": "1"}, profiles=("learner-node",))
+    rollout = Project(f"{name}-node2", files, {**env, "NODE_RANK": "2", "ROLLERS": "2", "RUNS_DIR": str(rollout_dir)},
                       profiles=("rollout",))
     projects = [head, learner_node, rollout]
     try:
@@ -146,9 +145,9 @@ def test_multinode_profiles_as_three_projects(docker_image, tmp_path):
         for p, service in ((head, "learner"), (learner_node, "learner-node")):
             container = p.ids(service, running_only=False)[0]
             assert wait_exit(p, container, 900) == 0, "\n".join(q.logs() for q in projects)
-        check_ledger(hosts[0] / run_id, steps)
+        check_ledger(head_dir / run_id, steps)
         # Both rollout workers ran on the rollout "host" and reached the head through Redis.
-        logs = sorted((hosts[2] / run_id / "logs").glob("rollout-*.log"))
+        logs = sorted((rollout_dir / run_id / "logs").glob("rollout-*.log"))
         assert len(logs) == 2, [p.logs() for p in projects]
     finally:
         for p in reversed(projects):
