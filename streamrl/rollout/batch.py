@@ -14,6 +14,7 @@ from tensordict import TensorDict
 from streamrl.config import Config
 from streamrl.engines.base import BetweenSteps, Generation
 from streamrl.rewards import CombinedReward, response_texts, token_rewards
+from streamrl.rollout.metrics import task_rewards
 from streamrl.rollout.prompts import PromptEncoder
 from streamrl.trajectory import make_id, pack_trajectories
 
@@ -30,7 +31,7 @@ class BatchRoller:
     next_id: () -> a unique 63-bit id for groups and trajectories (default: a local counter).
     """
 
-    last_metrics: dict[str, float] = {}  # no per-batch figures beyond the worker's own
+    last_metrics: dict[str, float] = {}  # the latest batch's reward per task (rollout/task_reward/...)
 
     def __init__(self, cfg: Config, engine, tok, problems: Iterator[Any], reward: CombinedReward,
                  worker_id: int = 0, next_id: Callable[[], int] | None = None):
@@ -55,6 +56,7 @@ class BatchRoller:
         texts = response_texts(self.tok, gen.tokens)
         flat_problems = [p for p in problems for _ in range(rc.group_size)]
         rewards, components = self.reward.score(flat_problems, texts)
+        self.last_metrics = task_rewards(flat_problems, rewards, self.cfg.task.name)
         group_ids, traj_ids = self._ids(len(problems), rc.group_size)
         versions = gen.versions if gen.versions is not None else [[version] * len(t) for t in gen.tokens]
         per_token = self._token_rewards(flat_problems, texts, gen.tokens, rewards) if rc.token_rewards else None
