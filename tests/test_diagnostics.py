@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.learner.diagnostics import batch_diagnostics
+from streamrl.learner.diagnostics import batch_diagnostics, worker_task_rewards
 from streamrl.rollout.metrics import task_rewards
 from streamrl.tasks.registry import Problem
 
@@ -29,3 +29,10 @@ def test_task_rewards_by_source_dataset_else_the_run_task():
     rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.5]
     assert task_rewards(problems, rewards, "reasoning_gym") == {
         "rollout/task_reward/chain_sum": 0.5, "rollout/task_reward/gcd": 1.0, "rollout/task_reward/reasoning_gym": 0.25}
+
+
+def test_worker_task_rewards_average_over_the_workers_reporting_a_task():
+    latest = {"learner": {"learner/reward_mean": 0.9}, "rollout-0": {"rollout/task_reward/gcd": 0.2, "x": 1.0},
+              "rollout-1": {"rollout/task_reward/gcd": 0.6, "rollout/task_reward/chain_sum": 0.1}}
+    assert worker_task_rewards(latest) == {"rollout/task_reward/chain_sum": 0.1,
+                                           "rollout/task_reward/gcd": pytest.approx(0.4)}

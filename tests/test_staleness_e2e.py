@@ -30,5 +30,6 @@ def test_adaptive_run_completes_and_reports_its_bound_within_the_user_bounds(tmp
                 "learner/truncated_frac", "learner/staleness_max", "learner/entropy"):
         assert key in rows[-1], key
     assert 0 < rows[-1]["learner/is_ess"] <= 1 and rows[-1]["learner/kl_behaviour"] >= 0
+    assert any("rollout/task_reward/copy_digits" in r for r in rows)  # the workers' reward per task
     # every trained sample was within the ceiling: the intake drops only beyond it
     assert max(r["learner/staleness_max"] for r in rows) <= 3

@@ -27,7 +27,7 @@ from streamrl.config import config_from_dict, load_config
 from streamrl.coord.coordinator import Coordinator
 from streamrl.core_lending import BUSY, WAITING, make_core_lender, make_learner_phase
 from streamrl.learner.checkpoint_manager import Checkpointer, RunProgress
-from streamrl.learner.diagnostics import batch_diagnostics
+from streamrl.learner.diagnostics import batch_diagnostics, worker_task_rewards
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.intake import Intake
 from streamrl.learner.run_checkpoint import checkpoint_dir
@@ -242,6 +242,7 @@ class Reporter:
             "learner/step": run.step, "learner/version": run.version, "learner/samples": run.samples,
             "learner/step_s": step_s, "learner/idle_s": idle, "learner/idle_frac": idle / max(idle + step_s, 1e-9),
             **batch_diagnostics(batch, run.version - 1, self.cfg.rollout.max_new_tokens),
+            **worker_task_rewards(self.coord.latest_metrics()),
             "time": time.time(), "wall_s": time.time() - self.t_start,
             **self.intake.metrics(),
             # served bytes, versions kept for readers holding a lease (streamrl-monitor)

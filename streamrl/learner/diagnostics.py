@@ -2,11 +2,14 @@
 
 Host-side numbers from the packed batch (:mod:`streamrl.trajectory`), computed on rank 0 after
 the step; the step's own figures (entropy, clip fraction, ESS, behaviour KL) come from the loss
-(:mod:`streamrl.learner.step_loss`).
+(:mod:`streamrl.learner.step_loss`). Trajectories do not carry their task, so the reward per
+task comes from the workers, which know it (:func:`worker_task_rewards`).
 """
 from __future__ import annotations
 
 import torch
+
+from streamrl.rollout.metrics import TASK_REWARD_PREFIX
 
 
 def batch_diagnostics(batch, version: int, max_new_tokens: int) -> dict[str, float]:
@@ -30,3 +33,18 @@ def batch_diagnostics(batch, version: int, max_new_tokens: int) -> dict[str, flo
         "learner/staleness_mean": float(lag.mean()) if lag.numel() else 0.0,
         "learner/staleness_max": float(lag.max()) if lag.numel() else 0.0,
     }
+
+
+def worker_task_rewards(latest: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The rollout workers' latest reward per task (``rollout/task_reward/<task>``), averaged over
+    the workers reporting it, for the learner's metrics.jsonl and TensorBoard.
+
+    latest: metrics per process (:meth:`~streamrl.coord.coordinator.Coordinator.latest_metrics`).
+    """
+    per_task: dict[str, list[float]] = {}
+    for process, metrics in latest.items():
+        if process.startswith("rollout-"):
+            for key, value in metrics.items():
+                if key.startswith(TASK_REWARD_PREFIX):
+                    per_task.setdefault(key, []).append(value)
+    return {key: sum(v) / len(v) for key, v in sorted(per_task.items())}
