@@ -62,9 +62,10 @@ def token_weighted_means(metrics: dict[str, float], tokens: float) -> dict[str, 
 
 def with_ess(metrics: dict[str, float]) -> dict[str, float]:
     """``learner/is_ess`` (normalised ESS of the behaviour weights ``pi_prox / mu`` over the step's
-    tokens) in place of the two weight moments it is computed from."""
-    mean, sq = metrics.pop("learner/behaviour_weight_mean"), metrics.pop("learner/behaviour_weight_sq_mean")
-    metrics["learner/is_ess"] = normalised_ess(mean, sq)
+    tokens) in place of the two weight moments it is computed from (when the loss reported them)."""
+    if "learner/behaviour_weight_sq_mean" in metrics:
+        mean, sq = metrics.pop("learner/behaviour_weight_mean"), metrics.pop("learner/behaviour_weight_sq_mean")
+        metrics["learner/is_ess"] = normalised_ess(mean, sq)
     return metrics
 
 
