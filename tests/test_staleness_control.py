@@ -117,6 +117,13 @@ def test_governor_publishes_adaptive_bounds_and_leaves_fixed_alone(redis_url, ru
     reported = [gov.step({"learner/idle_frac": 0.9, "learner/is_ess": 1.0})["learner/staleness_bound"]
                 for _ in range(4)]
     assert reported == [2.0, 3.0, 4.0, 4.0] and c.staleness_bound() == 4
+    c.r.delete(c.keys.staleness_bound)  # Redis restarted: the next step writes the bound again
+    bad = {"learner/idle_frac": 0.0, "learner/is_ess": 0.1}
+    for _ in range(3):  # skipped steps measured nothing: the bound stays
+        gov.step({**bad, "learner/skipped_no_signal": 1.0})
+    assert c.staleness_bound() == 4
+    gov.step({**bad, "learner/skipped_no_signal": 0.0})
+    assert c.staleness_bound() == 3
 
 
 def test_ess_and_behaviour_kl_match_a_hand_computation():

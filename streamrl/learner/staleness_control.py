@@ -56,8 +56,7 @@ class StalenessSignals:
 
     @classmethod
     def from_metrics(cls, metrics: dict[str, float]) -> "StalenessSignals":
-        """The signals in a learner step's metrics (on-policy values where one is absent:
-        a skipped step without a policy loss says nothing about the staleness)."""
+        """The signals in a learner step's metrics (the on-policy value where one is absent)."""
         return cls(ess=metrics.get("learner/is_ess", 1.0), clip_frac=metrics.get("learner/clip_frac", 0.0),
                    kl_behaviour=metrics.get("learner/kl_behaviour", 0.0),
                    idle_frac=metrics.get("learner/idle_frac", 0.0))
@@ -148,8 +147,12 @@ class StalenessGovernor:
 
     def step(self, metrics: dict[str, float]) -> dict[str, float]:
         """After a learner step: the bound the step ran under (``learner/staleness_bound``),
-        then, adaptive, the next bound published (written every step: Redis may have restarted)."""
+        then, adaptive, the next bound published (written every step: Redis may have restarted).
+        A step skipped for want of signal (``learner/skipped_no_signal``) ran no policy loss, so it
+        measured no off-policy signal: it leaves the controller as it is."""
         out = {"learner/staleness_bound": float(self.bound)}
         if self.controller is not None:
-            self.coord.set_staleness_bound(self.controller.update(StalenessSignals.from_metrics(metrics)))
+            if not metrics.get("learner/skipped_no_signal"):
+                self.controller.update(StalenessSignals.from_metrics(metrics))
+            self.coord.set_staleness_bound(self.controller.bound)
         return out
