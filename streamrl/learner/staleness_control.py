@@ -13,7 +13,9 @@ lengths, and it moves during a run (early updates move the policy more). With
   0.9: token weights of a healthy asynchronous run stay within a few percent of 1, and ESS 0.9
   is already a weight spread of ~0.33 (std/mean).
 * **Clip fraction** (``learner/clip_frac``): the tokens whose PPO ratio left the clip range; when
-  it grows the update throws gradient away. Default ceiling 0.2.
+  it grows the update throws gradient away. Default ceiling 0.2. With one optimizer step per batch
+  (``learner.minibatches = 1``) the ratio to ``pi_prox`` is 1 and the clip fraction 0, except for
+  ``ppo_coupled`` (ratio to the behaviour policy): the ESS and the KL carry the signal then.
 * **Behaviour KL** (``learner/kl_behaviour``): ``KL(mu || pi_prox)`` (k3 estimator over the
   sampled tokens), the policy drift the samples lag by. Default ceiling 0.05 nats per token,
   the size of one PPO trust region.
