@@ -319,7 +319,7 @@ class LearnerConfig:
     staleness_kl_max: float = 0.05
     """staleness = adaptive: tighten while KL(behaviour || proximal) per token is above this (nats)."""
     staleness_idle_frac_max: float = 0.1
-    """staleness = adaptive: loosen while the learner waits for data more than this share of a step (signals healthy)."""
+    """staleness = adaptive: loosen while the learner waits for data more than this share of a step."""
     staleness_ema: float = 0.8
     """staleness = adaptive: weight of the past in the moving average of each signal."""
     staleness_interval: int = 5

@@ -23,8 +23,8 @@ def test_batch_diagnostics_lengths_truncation_and_lags():
 
 
 def test_task_rewards_by_source_dataset_else_the_run_task():
-    mix = [Problem("a", "1", fields={"source_dataset": "chain_sum"}), Problem("b", "2", fields={"source_dataset": "gcd"}),
-           Problem("c", "3")]
+    mix = [Problem("a", "1", fields={"source_dataset": "chain_sum"}),
+           Problem("b", "2", fields={"source_dataset": "gcd"}), Problem("c", "3")]
     problems = [p for p in mix for _ in range(2)]
     rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.5]
     assert task_rewards(problems, rewards, "reasoning_gym") == {

@@ -319,7 +319,7 @@ class Coordinator:
         return int(res) == 1
 
     def set_staleness_bound(self, bound: int) -> None:
-        """Publish the admission bound the learner chose (adaptive staleness, :mod:`streamrl.learner.staleness_control`)."""
+        """Publish the admission bound the learner chose (:mod:`streamrl.learner.staleness_control`)."""
         self.r.set(self.keys.staleness_bound, int(bound))
 
     def staleness_bound(self) -> int | None:

@@ -61,7 +61,8 @@ def load_runs(root: Path) -> dict[str, list[dict]]:
         metrics = side.parent / "metrics.jsonl"
         bounds = ([json.loads(line).get("learner/staleness_bound") for line in metrics.read_text().splitlines()]
                   if metrics.is_file() else [])
-        runs.setdefault(m["setting"], []).append({"repeat": int(m["repeat"]), "curve": json.loads(side.read_text())["curve"],
+        curve = json.loads(side.read_text())["curve"]
+        runs.setdefault(m["setting"], []).append({"repeat": int(m["repeat"]), "curve": curve,
                                                   "bounds": [b for b in bounds if b is not None]})
     if not runs:
         raise ValueError(f"{root}: no <setting>-r<repeat>/streamrl.json (settings: {', '.join(SETTINGS)})")
@@ -115,8 +116,9 @@ def _print(result: dict) -> None:
     print(f"target held-out accuracy {result['target_accuracy']:.3f}")
     for name, f in result["settings"].items():
         t = f["median_time_to_target_s"]
+        bound = f"  bound mean {f['bound_mean']:.2f}" if "bound_mean" in f else ""
         print(f"{name:<9} time-to-target {'never' if t is None else f'{t:.0f} s'} (reached {f['reached']})  "
-              f"final {f['median_final_accuracy']:.3f}" + (f"  bound mean {f['bound_mean']:.2f}" if "bound_mean" in f else ""))
+              f"final {f['median_final_accuracy']:.3f}{bound}")
     if "adaptive_vs_best_fixed" in result:
         r = result["adaptive_vs_best_fixed"]
         print(f"adaptive / best fixed ({result['best_fixed']}): {'-' if r is None else f'{r:.2f}'}")

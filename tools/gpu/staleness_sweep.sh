@@ -31,5 +31,5 @@ cp "$RUN/streamrl.json" "$DEST/" 2>/dev/null
 cp "$RUN/streamrl-run/metrics.jsonl" "$DEST/" 2>/dev/null
 { tail -20 "$RUN/race.log"; echo ...; tail -40 "$RUN/streamrl-launch.log"; } > "$DEST/launch.log" 2>/dev/null
 tail -5 "$RUN/race.log"
-[[ -f $DEST/streamrl.json ]] && python3 tools/gpu/staleness_sweep.py combine "$OUT/sweep" --target-frac 0.9 2>&1 | tail -8
+[[ -f $DEST/streamrl.json ]] && python3 tools/gpu/staleness_sweep.py combine "$OUT/sweep" 2>&1 | tail -8
 exit $rc
