@@ -8,11 +8,13 @@ import random
 import pytest
 import torch
 
-from streamrl.algorithms.losses import behaviour_gap_stats, normalised_ess
+from streamrl.algorithms.losses import Normalizers, behaviour_gap_stats, normalised_ess
 from streamrl.config import ConfigError, load_config
 from streamrl.coord.coordinator import Coordinator
+from streamrl.learner.metrics import MetricSums, read_minibatch_metrics
 from streamrl.learner.staleness_control import (StalenessController, StalenessGovernor, StalenessSignals,
                                                 StalenessTargets)
+from streamrl.learner.step_loss import ForwardOutputs, LossTargets, StepLoss
 
 HEALTHY = StalenessSignals(ess=0.99, clip_frac=0.01, kl_behaviour=0.001, idle_frac=0.02)
 STARVING = StalenessSignals(ess=0.99, clip_frac=0.01, kl_behaviour=0.001, idle_frac=0.5)
@@ -141,3 +143,27 @@ def test_ess_and_behaviour_kl_match_a_hand_computation():
     same = behaviour_gap_stats(prox, prox, mask)
     assert normalised_ess(float(same["behaviour_weight_mean"]), float(same["behaviour_weight_sq_mean"])) == 1.0
     assert float(same["kl_behaviour"]) == 0.0
+
+
+def test_step_ess_and_kl_over_micro_batches_are_those_of_all_the_step_tokens():
+    """Two micro-batches of different sizes through StepLoss and the step's metric reading: the
+    ESS and KL are the ones of the step's tokens pooled, not a mean of per-micro-batch values."""
+    lc = load_config(None, ["learner.loss=grpo_tis"]).learner
+    loss_fn, sums = StepLoss(lc), MetricSums()
+    gen = torch.Generator().manual_seed(0)
+    all_log_w = []
+    for rows, width in ((1, 2), (3, 4)):
+        logp = torch.randn(rows, width, generator=gen)
+        behav = logp + 0.5 * torch.randn(rows, width, generator=gen)
+        mask = torch.ones(rows, width)
+        all_log_w.append((logp - behav).flatten())
+        tgt = LossTargets(prox_logp=logp, behav_logp=behav, advantages=torch.ones(rows), mask=mask,
+                          tokens=float(mask.sum()))
+        _, metrics = loss_fn(ForwardOutputs(logp=logp.clone().requires_grad_()), tgt, Normalizers(num_tokens=14.0))
+        sums.add_all(metrics)
+        sums.tokens += float(mask.sum())
+    out = read_minibatch_metrics([sums], world=1)[0]
+    w = torch.cat(all_log_w).double().exp()
+    assert out["learner/is_ess"] == pytest.approx(float(w.sum() ** 2 / (w.numel() * (w * w).sum())))
+    assert out["learner/kl_behaviour"] == pytest.approx(float((w - 1 - w.log()).mean()), rel=1e-5)
+    assert "learner/behaviour_weight_sq_mean" not in out
