@@ -1,12 +1,17 @@
 """tools/gpu/staleness_sweep.py combine: time-to-accuracy per admission setting from race side JSONs."""
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
+from pathlib import Path
 
 import pytest
 
-SWEEP = "tools/gpu/staleness_sweep.py"
+# a tool script, not a package module: loaded from its file
+_spec = importlib.util.spec_from_file_location(
+    "staleness_sweep", Path(__file__).resolve().parents[1] / "tools/gpu/staleness_sweep.py")
+sweep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sweep)
 
 
 def _side(root, name: str, accuracies: list[float], bounds: list[float] | None = None) -> None:
@@ -19,21 +24,22 @@ def _side(root, name: str, accuracies: list[float], bounds: list[float] | None =
         (d / "metrics.jsonl").write_text("".join(json.dumps({"learner/staleness_bound": b}) + "\n" for b in bounds))
 
 
-def _combine(python, repo, root, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([python, SWEEP, "combine", str(root), "--json", *args], cwd=repo, capture_output=True,
-                          text=True, timeout=60)
+def _combine(capsys, root, *args) -> tuple[int, dict | None, str]:
+    """(exit status, the JSON line or None, stderr) of ``staleness_sweep.py combine ROOT --json``."""
+    rc = sweep.main(["combine", str(root), "--json", *args])
+    out = capsys.readouterr()
+    return rc, json.loads(out.out.splitlines()[-1]) if rc == 0 else None, out.err
 
 
-def test_combine_medians_best_fixed_and_adaptive_ratio(tmp_path, repo, python):
+def test_combine_medians_best_fixed_and_adaptive_ratio(tmp_path, capsys):
     for r, final in enumerate((0.40, 0.42, 0.38)):
         _side(tmp_path, f"fixed2-r{r}", [0.1, 0.2, 0.3, 0.4, final])
     for r in range(3):
         _side(tmp_path, f"fixed8-r{r}", [0.1, 0.1, 0.2, 0.3, 0.35])
         _side(tmp_path, f"adaptive-r{r}", [0.1, 0.25, 0.35, 0.4, 0.41], bounds=[4, 3, 3, 2])
     _side(tmp_path, "notes-r0", [0.0, 1.0, 1.0, 1.0, 1.0])  # not a setting: ignored
-    p = _combine(python, repo, tmp_path)
-    assert p.returncode == 0, p.stderr
-    res = json.loads(p.stdout.splitlines()[-1])
+    rc, res, err = _combine(capsys, tmp_path)
+    assert rc == 0, err
     target = 0.9 * 0.40  # the best fixed setting's median final accuracy
     assert res["target_accuracy"] == pytest.approx(target)
     # linear between the points around the target: fixed2 0.3 at 120 s, 0.4 at 180 s
@@ -46,10 +52,19 @@ def test_combine_medians_best_fixed_and_adaptive_ratio(tmp_path, repo, python):
     assert res["adaptive_vs_best_fixed"] == pytest.approx(adaptive / fixed2)
     assert res["adaptive_within_10pct"] == (adaptive / fixed2 <= 1.1)
     assert res["settings"]["adaptive"]["bound_mean"] == pytest.approx(3.0)
+    assert res["base_accuracy"] == pytest.approx(0.1) and res["target_above_base"]
 
 
-def test_overrides_and_errors(tmp_path, repo, python):
-    p = subprocess.run([python, SWEEP, "overrides", "adaptive"], cwd=repo, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0 and "learner.staleness=adaptive" in p.stdout and "learner.max_staleness=8" in p.stdout
-    p = _combine(python, repo, tmp_path)
-    assert p.returncode == 2 and "no <setting>-r<repeat>/streamrl.json" in p.stderr
+def test_nothing_learned_gives_no_ratio(tmp_path, capsys):
+    for setting in ("fixed1", "adaptive"):
+        _side(tmp_path, f"{setting}-r0", [0.0] * 5)
+    res = _combine(capsys, tmp_path)[1]
+    assert not res["target_above_base"] and res["adaptive_vs_best_fixed"] is None
+
+
+def test_overrides_and_errors(tmp_path, capsys):
+    assert sweep.main(["overrides", "adaptive"]) == 0
+    out = capsys.readouterr().out
+    assert "learner.staleness=adaptive" in out and "learner.max_staleness=8" in out
+    rc, _, err = _combine(capsys, tmp_path)
+    assert rc == 2 and "no <setting>-r<repeat>/streamrl.json" in err

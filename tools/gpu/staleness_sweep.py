@@ -12,7 +12,8 @@ tools/gpu/staleness_sweep.sh), whose ``streamrl.json`` holds the held-out accura
   null when never reached) and final accuracy, their medians and min-max spreads (a run that
   never reaches the target counts as slower than every run that does);
 * the best fixed bound (lowest median time) and ``adaptive_vs_best_fixed`` (adaptive's median
-  time / the best fixed one's; <= 1.1 is "within 10 %"), plus the adaptive runs' bounds over
+  time / the best fixed one's; <= 1.1 is "within 10 %"; null when the target is not above the
+  base model's accuracy: nothing was learned to race for), plus the adaptive runs' bounds over
   time when their ``metrics.jsonl`` was kept.
 
     python tools/gpu/staleness_sweep.py overrides adaptive     # the config overrides of a setting
@@ -100,11 +101,15 @@ def combine(root: Path, target: float | None, target_frac: float) -> dict:
         best_final = max(statistics.median(r["curve"][-1]["accuracy"] for r in runs[s]) for s in fixed)
         target = target_frac * best_final
     figures = {s: setting_figures(runs[s], target) for s in SETTINGS if s in runs}
+    base = statistics.median(r["curve"][0]["accuracy"] for rs in runs.values() for r in rs)
     timed = [s for s in fixed if figures[s]["median_time_to_target_s"] is not None]
     best = min(timed, key=lambda s: figures[s]["median_time_to_target_s"]) if timed else None
-    result = {"target_accuracy": target, "target_frac": target_frac, "settings": figures, "best_fixed": best}
+    result = {"target_accuracy": target, "target_frac": target_frac, "base_accuracy": base,
+              "target_above_base": target > base, "settings": figures, "best_fixed": best}
     adaptive = figures.get("adaptive", {}).get("median_time_to_target_s")
-    if best is not None and adaptive is not None:
+    if target <= base:  # the base model is already there: no time to compare
+        result.update(adaptive_vs_best_fixed=None, adaptive_within_10pct=None)
+    elif best is not None and adaptive is not None:
         ratio = adaptive / figures[best]["median_time_to_target_s"]
         result.update(adaptive_vs_best_fixed=ratio, adaptive_within_10pct=ratio <= 1.1)
     elif best is not None and "adaptive" in figures:
