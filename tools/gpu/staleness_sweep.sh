@@ -3,7 +3,8 @@
 # answers up to 1,024 tokens, learner and one hf_fast worker on cuda:0) under one admission setting:
 # SETTING = fixed1 | fixed2 | fixed4 | fixed8 | adaptive (tools/gpu/staleness_sweep.py lists the overrides),
 # REP = the repeat's number, BUDGET = training seconds (240: with start-up and the scoring of five
-# checkpoints one run fits a 10-minute device call). Run on the device machine from the repo root:
+# checkpoints one run fits a 10-minute device call). Run on the device machine from the repo root, with
+# .whl and .redis carried (tools/gpu/env.sh) and, on a fresh machine, .smolB after tools/gpu/smol_stage.sh:
 #   SETTING=fixed2 REP=0 bash tools/gpu/staleness_sweep.sh            (one call per setting and repeat)
 # Outputs: $OUT/sweep/$SETTING-r$REP/{streamrl.json, metrics.jsonl, launch.log}. Gather the folders of
 # every call under one directory here, then:
@@ -17,8 +18,11 @@ SETTING=${SETTING:?set SETTING to fixed1, fixed2, fixed4, fixed8 or adaptive}
 REP=${REP:-0}
 BUDGET=${BUDGET:-240}
 OVERRIDES=$(python3 tools/gpu/staleness_sweep.py overrides "$SETTING") || exit 2
-if [[ ! -f models/smol/config.json ]]; then   # the recipe's model (its config's first comment)
-  python3 -m streamrl.models.prepare --out models/smol --experts 0 > "$OUT/prepare.log" 2>&1 \
+if [[ ! -f models/smol/config.json ]]; then   # the recipe's model, kept while the machine stays warm
+  G=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf  # its GGUF travels in two halves (tools/gpu/smol_stage.sh)
+  [[ -f $G ]] || { cat /tmp/smol/part00 .smolB/part > "$G"; } 2>/dev/null \
+    || { echo "no SmolLM2 GGUF: run tools/gpu/smol_stage.sh (carry .smolA), then this with .smolB carried"; exit 1; }
+  python3 -m streamrl.models.prepare --gguf "$G" --out models/smol --experts 0 > "$OUT/prepare.log" 2>&1 \
     || { tail -20 "$OUT/prepare.log"; exit 1; }
 fi
 RUN=/tmp/sweep/$SETTING-r$REP; DEST=$OUT/sweep/$SETTING-r$REP
