@@ -21,7 +21,7 @@ OVERRIDES=$(python3 tools/gpu/staleness_sweep.py overrides "$SETTING") || exit 2
 if [[ ! -f models/smol/config.json ]]; then   # the recipe's model, kept while the machine stays warm
   G=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf  # its GGUF travels in two halves (tools/gpu/smol_stage.sh)
   [[ -f $G ]] || { cat /tmp/smol/part00 .smolB/part > "$G"; } 2>/dev/null \
-    || { echo "no SmolLM2 GGUF: run tools/gpu/smol_stage.sh (carry .smolA), then this with .smolB carried"; exit 1; }
+    || { rm -f "$G"; echo "no SmolLM2 GGUF: tools/gpu/smol_stage.sh (.smolA) first, then this with .smolB"; exit 1; }
   python3 -m streamrl.models.prepare --gguf "$G" --out models/smol --experts 0 > "$OUT/prepare.log" 2>&1 \
     || { tail -20 "$OUT/prepare.log"; exit 1; }
 fi
