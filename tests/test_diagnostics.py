@@ -20,6 +20,8 @@ def test_batch_diagnostics_lengths_truncation_and_lags():
     assert d["learner/truncated_frac"] == pytest.approx(2 / 5)
     assert d["learner/staleness_mean"] == pytest.approx(float(lags.mean()))
     assert d["learner/staleness_max"] == 2.0
+    episodes = batch_diagnostics({"response_lens": lens, "policy_version": versions}, version=7, max_new_tokens=None)
+    assert "learner/truncated_frac" not in episodes and episodes["learner/staleness_max"] == 2.0
 
 
 def test_task_rewards_by_source_dataset_else_the_run_task():

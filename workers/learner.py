@@ -241,7 +241,8 @@ class Reporter:
         metrics.update({
             "learner/step": run.step, "learner/version": run.version, "learner/samples": run.samples,
             "learner/step_s": step_s, "learner/idle_s": idle, "learner/idle_frac": idle / max(idle + step_s, 1e-9),
-            **batch_diagnostics(batch, run.version - 1, self.cfg.rollout.max_new_tokens),
+            **batch_diagnostics(batch, run.version - 1,
+                                None if self.cfg.env.name != "none" else self.cfg.rollout.max_new_tokens),
             **worker_task_rewards(self.coord.latest_metrics()),
             "time": time.time(), "wall_s": time.time() - self.t_start,
             **self.intake.metrics(),

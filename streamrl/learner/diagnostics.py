@@ -12,13 +12,14 @@ import torch
 from streamrl.rollout.metrics import TASK_REWARD_PREFIX
 
 
-def batch_diagnostics(batch, version: int, max_new_tokens: int) -> dict[str, float]:
+def batch_diagnostics(batch, version: int, max_new_tokens: int | None) -> dict[str, float]:
     """Response length and staleness figures of a trained batch.
 
     ``learner/response_len_mean`` and ``_p90`` (tokens per response), ``learner/truncated_frac``
     (responses that used all ``max_new_tokens``: cut at the limit, unless the end-of-sequence
-    token fell exactly on it), ``learner/staleness_mean`` (mean version lag of the tokens at
-    training time, ``version`` being the version trained on) and ``learner/staleness_max``.
+    token fell exactly on it; left out with ``max_new_tokens`` None, e.g. multi-turn episodes,
+    whose responses hold several turns), ``learner/staleness_mean`` (mean version lag of the
+    tokens at training time, ``version`` being the version trained on) and ``learner/staleness_max``.
 
     batch: ``response_lens`` [B] and ``policy_version`` [R = sum(response_lens)].
     """
@@ -26,13 +27,15 @@ def batch_diagnostics(batch, version: int, max_new_tokens: int) -> dict[str, flo
     lag = version - batch["policy_version"].to(torch.float64)
     if not lens.numel():
         return {}
-    return {
+    out = {
         "learner/response_len_mean": float(lens.mean()),
         "learner/response_len_p90": float(torch.quantile(lens, 0.9)),
-        "learner/truncated_frac": float((lens >= max_new_tokens).to(torch.float64).mean()),
         "learner/staleness_mean": float(lag.mean()) if lag.numel() else 0.0,
         "learner/staleness_max": float(lag.max()) if lag.numel() else 0.0,
     }
+    if max_new_tokens is not None:
+        out["learner/truncated_frac"] = float((lens >= max_new_tokens).to(torch.float64).mean())
+    return out
 
 
 def worker_task_rewards(latest: dict[str, dict[str, float]]) -> dict[str, float]:
