@@ -307,6 +307,23 @@ class LearnerConfig:
     """Prompt groups consumed by one optimizer step (global, across data-parallel ranks)."""
     max_staleness: int = 4
     """Largest accepted version lag (learner version - oldest token version); 0 = on-policy."""
+    staleness: str = "fixed"
+    """Admission bound: fixed (max_staleness) or adaptive (set each step in [staleness_min, max_staleness] from
+    ESS, clip fraction, behaviour KL and idle time; see streamrl.learner.staleness_control)."""
+    staleness_min: int = 1
+    """staleness = adaptive: the lowest admission bound the controller may set."""
+    staleness_ess_min: float = 0.9
+    """staleness = adaptive: tighten while the importance weights' normalised ESS is below this."""
+    staleness_clip_frac_max: float = 0.2
+    """staleness = adaptive: tighten while the PPO clip fraction is above this."""
+    staleness_kl_max: float = 0.05
+    """staleness = adaptive: tighten while KL(behaviour || proximal) per token is above this (nats)."""
+    staleness_idle_frac_max: float = 0.1
+    """staleness = adaptive: loosen while the learner waits for data more than this share of a step."""
+    staleness_ema: float = 0.8
+    """staleness = adaptive: weight of the past in the moving average of each signal."""
+    staleness_interval: int = 5
+    """staleness = adaptive: learner steps between two changes of the bound (one version per change)."""
     loss: str = "grpo_tis"
     """Policy loss (see streamrl.learner.step_loss.LOSSES): grpo_tis, grpo_no_correction, grpo_mis,
     grpo_seq_tis, grpo_seq_mis, decoupled_ppo, ppo_coupled, gspo, vtrace (critic variant)."""
@@ -417,6 +434,7 @@ class LearnerConfig:
         _check(0 <= self.router_ema < 1, f"{p}.router_ema", self.router_ema, "must be in [0, 1)")
         _check(self.groups_per_step >= 1, f"{p}.groups_per_step", self.groups_per_step, "must be >= 1")
         _check(self.max_staleness >= 0, f"{p}.max_staleness", self.max_staleness, "must be >= 0")
+        self._validate_staleness(p)
         losses = ("grpo_tis", "grpo_no_correction", "grpo_mis", "grpo_seq_tis", "grpo_seq_mis",
                   "decoupled_ppo", "ppo_coupled", "gspo", "vtrace")
         _check(self.loss in losses, f"{p}.loss", self.loss, f"must be one of {losses}")
@@ -438,6 +456,21 @@ class LearnerConfig:
         _check(self.advantage == "sequence" or self.loss not in ("gspo", "vtrace"), f"{p}.advantage",
                self.advantage, f"token advantages need a token-level loss, not learner.loss = {self.loss!r} "
                "(gspo weighs whole sequences; vtrace computes its own)")
+
+    def _validate_staleness(self, p: str) -> None:
+        _check(self.staleness in ("fixed", "adaptive"), f"{p}.staleness", self.staleness, "must be fixed or adaptive")
+        if self.staleness == "fixed":
+            return
+        _check(0 <= self.staleness_min <= self.max_staleness, f"{p}.staleness_min", self.staleness_min,
+               f"must be in [0, learner.max_staleness = {self.max_staleness}]")
+        _check(0 < self.staleness_ess_min < 1, f"{p}.staleness_ess_min", self.staleness_ess_min, "must be in (0, 1)")
+        _check(0 < self.staleness_clip_frac_max < 1, f"{p}.staleness_clip_frac_max", self.staleness_clip_frac_max,
+               "must be in (0, 1)")
+        _check(self.staleness_kl_max > 0, f"{p}.staleness_kl_max", self.staleness_kl_max, "must be > 0")
+        _check(0 < self.staleness_idle_frac_max < 1, f"{p}.staleness_idle_frac_max", self.staleness_idle_frac_max,
+               "must be in (0, 1)")
+        _check(0 <= self.staleness_ema < 1, f"{p}.staleness_ema", self.staleness_ema, "must be in [0, 1)")
+        _check(self.staleness_interval >= 1, f"{p}.staleness_interval", self.staleness_interval, "must be >= 1")
 
 
 @dataclass
@@ -642,6 +675,12 @@ class Config:
                f"workers reserve whole batches, and with learner.groups_per_step = {self.learner.groups_per_step} "
                f"and learner.max_staleness = {self.learner.max_staleness} the learner would wait forever at "
                f"version {stuck}: use a batch that divides groups_per_step or a larger max_staleness")
+        if self.learner.staleness == "adaptive":  # the controller may go down to staleness_min
+            stuck = _admission_deadlock(self.rollout.prompts_per_batch, self.learner.groups_per_step,
+                                        self.learner.staleness_min)
+            _check(stuck is None, "learner.staleness_min", self.learner.staleness_min,
+                   f"with rollout.prompts_per_batch = {self.rollout.prompts_per_batch} and learner.groups_per_step = "
+                   f"{self.learner.groups_per_step} admission at this bound would stall at version {stuck}: raise it")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -285,3 +285,26 @@ def test_inflight_counter_at_zero_stays_off_screen():
     assert snap["weights"]["inflight_loads"] == 0 and snap["workers"][0]["inflight_loads"] == 0
     text = _render_text(snap)
     assert "alive" in text and "infl" not in text and "in-flight" not in text
+
+
+def test_learning_diagnostics_in_snapshot_and_screen():
+    """Response lengths, truncation, entropy, ESS / clip / behaviour KL, staleness against its bound
+    and the workers' reward per task: window means in the snapshot, one row each on screen."""
+    state = empty_state(100.0)
+    state.latest = {"rollout-0": {"rollout/task_reward/chain_sum": 0.2, "rollout/task_reward/gcd": 0.6},
+                    "rollout-1": {"rollout/task_reward/chain_sum": 0.4}}
+    learner = [{"time": 98.0 + i, "learner/step": i, "learner/response_len_mean": 100.0 + 10 * i,
+                "learner/response_len_p90": 300.0, "learner/truncated_frac": 0.1, "learner/entropy": 0.7,
+                "learner/is_ess": 0.95, "learner/clip_frac": 0.02, "learner/kl_behaviour": 0.004,
+                "learner/staleness_max": 3.0, "learner/staleness_bound": 4.0} for i in (1, 2)]
+    state.latest["learner"] = learner[-1]
+    snap = SnapshotBuilder(window_s=30).build("r", {"learner": learner, "rollout-0": [], "rollout-1": []}, state)
+    g = snap["learning"]
+    assert g["response_len_mean"] == pytest.approx(115.0) and g["truncated_frac"] == pytest.approx(0.1)
+    assert g["is_ess"] == pytest.approx(0.95) and g["staleness_bound"] == 4.0
+    assert g["task_reward"] == {"chain_sum": pytest.approx(0.3), "gcd": pytest.approx(0.6)}
+    text = _render_text(snap)
+    for row in ("response len mean / p90", "115 / 300", "truncated at the limit", "IS ESS / clip frac",
+                "0.95 / 2 %", "behaviour KL", "staleness max / bound", "3 / 4", "reward chain_sum", "reward gcd"):
+        assert row in text, row
+    assert "learning" not in SnapshotBuilder().build("r", {}, empty_state())  # absent without the signals

@@ -27,9 +27,11 @@ from streamrl.config import config_from_dict, load_config
 from streamrl.coord.coordinator import Coordinator
 from streamrl.core_lending import BUSY, WAITING, make_core_lender, make_learner_phase
 from streamrl.learner.checkpoint_manager import Checkpointer, RunProgress
+from streamrl.learner.diagnostics import batch_diagnostics, worker_task_rewards
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.intake import Intake
 from streamrl.learner.run_checkpoint import checkpoint_dir
+from streamrl.learner.staleness_control import StalenessGovernor
 from streamrl.learner.trainer import Trainer
 from streamrl.learner.warmup import warm_up_pays
 from streamrl.metrics import RateLimitedRedisSink, run_sinks
@@ -230,6 +232,7 @@ class Reporter:
         self.redis_sink = RateLimitedRedisSink(coord, "learner")
         self.t_start = time.time()
         self.idle_total = 0.0
+        self.staleness = StalenessGovernor(cfg.learner, coord)
 
     def step(self, run: RunProgress, batch, metrics: dict, idle: float, step_s: float) -> None:
         self.idle_total += idle
@@ -238,12 +241,15 @@ class Reporter:
         metrics.update({
             "learner/step": run.step, "learner/version": run.version, "learner/samples": run.samples,
             "learner/step_s": step_s, "learner/idle_s": idle, "learner/idle_frac": idle / max(idle + step_s, 1e-9),
-            "learner/staleness_mean": batch_lags(batch, run.version - 1),
+            **batch_diagnostics(batch, run.version - 1,
+                                None if self.cfg.env.name != "none" else self.cfg.rollout.max_new_tokens),
+            **worker_task_rewards(self.coord.latest_metrics()),
             "time": time.time(), "wall_s": time.time() - self.t_start,
             **self.intake.metrics(),
             # served bytes, versions kept for readers holding a lease (streamrl-monitor)
             **self.publisher.stats(),
         })
+        metrics.update(self.staleness.step(metrics))  # after idle_frac: a signal of the controller
         self.sink.write(metrics)
         self.redis_sink.write(metrics)
         if run.step % 10 == 0 or run.step == self.cfg.run.steps:
@@ -282,12 +288,6 @@ def _bind_receiver(args, cfg, limits, coord, log):
             except Exception as e:  # zmq.ZMQError (port taken): workers will be restarted by the launcher
                 log.warning("could not re-bind the previous trajectory port (%s); binding a new one", e)
     return TrajectoryReceiver(f"tcp://{args.bind_host}:*", hwm=cfg.transport.hwm, limits=limits)
-
-
-def batch_lags(batch, version: int) -> float:
-    """Mean version lag of the batch's tokens at training time."""
-    v = batch["policy_version"].float()
-    return float((version - v).mean()) if v.numel() else 0.0
 
 
 def _summary(run: RunProgress, wall: float, intake: Intake, idle_total: float, status: str) -> dict:

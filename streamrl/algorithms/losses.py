@@ -235,6 +235,31 @@ def masked_stats(clipped: torch.Tensor, raw: torch.Tensor, mask: torch.Tensor,
     return {"clip_frac": (clipped & m).sum() / n, "is_weight_mean": weight_mean, "is_truncated_frac": trunc}
 
 
+@torch.no_grad()
+def behaviour_gap_stats(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor
+                        ) -> dict[str, torch.Tensor]:
+    """Token means of the behaviour gap, whatever correction the loss applies, as 0-dim tensors.
+
+    With ``w = pi_prox / mu`` per token: ``behaviour_weight_mean`` ``E[w]``,
+    ``behaviour_weight_sq_mean`` ``E[w^2]`` (the normalised effective sample size of the step is
+    ``E[w]^2 / E[w^2]``, :func:`normalised_ess`), ``kl_behaviour`` ``E[w - 1 - log w]``: the k3
+    estimate of ``KL(mu || pi_prox)`` from the tokens mu sampled (>= 0 per token).
+    prox_logp, behav_logp, mask: [B, T]; 0 each without tokens.
+    """
+    m = mask.to(torch.float32)
+    n = m.sum().clamp(min=1.0)
+    log_w = ((prox_logp - behav_logp).float() * m).clamp(max=20.0)
+    w = torch.exp(log_w)
+    return {"behaviour_weight_mean": (w * m).sum() / n, "behaviour_weight_sq_mean": (w * w * m).sum() / n,
+            "kl_behaviour": ((w - 1 - log_w) * m).sum() / n}
+
+
+def normalised_ess(weight_mean: float, weight_sq_mean: float) -> float:
+    """``(sum w)^2 / (n sum w^2)`` from the token means ``E[w]``, ``E[w^2]``: 1 when every weight
+    is equal, ``1/n`` when one token carries all of them; 1 without tokens."""
+    return weight_mean * weight_mean / weight_sq_mean if weight_sq_mean > 0 else 1.0
+
+
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -23,14 +23,18 @@ from streamrl.coord.keys import Keys
 log = logging.getLogger(__name__)
 
 # Atomic admission control (AReaL-style capacity): a worker may reserve ``n`` prompt groups
-# only while reserved - refunded + n <= (version + max_staleness + 1) * groups_per_step.
-# So no worker runs more than max_staleness versions ahead of what the learner accepts.
+# only while reserved - refunded + n <= (version + bound + 1) * groups_per_step, where bound is
+# min(the bound the learner publishes (adaptive staleness), the worker's max_staleness); no
+# published bound = the worker's. So no worker runs more than bound versions ahead of the learner.
 _RESERVE = """
 local reserved = tonumber(redis.call('GET', KEYS[1]) or '0')
 local refunded = tonumber(redis.call('GET', KEYS[2]) or '0')
 local version = tonumber(redis.call('GET', KEYS[3]) or '-1')
 if version < 0 then return -1 end
-local limit = (version + tonumber(ARGV[2]) + 1) * tonumber(ARGV[3])
+local bound = tonumber(ARGV[2])
+local published = tonumber(redis.call('GET', KEYS[4]) or '')
+if published ~= nil and published < bound then bound = published end
+local limit = (version + bound + 1) * tonumber(ARGV[3])
 if reserved - refunded + tonumber(ARGV[1]) > limit then return 0 end
 redis.call('INCRBY', KEYS[1], ARGV[1])
 return 1
@@ -306,12 +310,22 @@ class Coordinator:
 
     # -- admission control ---------------------------------------------------------------
     def try_reserve(self, groups: int, max_staleness: int, groups_per_step: int) -> bool:
-        """Reserve ``groups`` prompt groups if the staleness budget allows it."""
+        """Reserve ``groups`` prompt groups if the staleness budget allows it: at most
+        min(:meth:`staleness_bound`, ``max_staleness``) versions ahead of the learner."""
         res = self._reserve(
-            keys=[self.keys.reserved, self.keys.refunded, self.keys.version],
+            keys=[self.keys.reserved, self.keys.refunded, self.keys.version, self.keys.staleness_bound],
             args=[groups, max_staleness, groups_per_step],
         )
         return int(res) == 1
+
+    def set_staleness_bound(self, bound: int) -> None:
+        """Publish the admission bound the learner chose (:mod:`streamrl.learner.staleness_control`)."""
+        self.r.set(self.keys.staleness_bound, int(bound))
+
+    def staleness_bound(self) -> int | None:
+        """The published admission bound, or None (workers then use their ``max_staleness``)."""
+        raw = self.r.get(self.keys.staleness_bound)
+        return int(raw) if raw is not None else None
 
     def set_capacity(self, accounted_groups: int) -> None:
         """Re-assert admission control: ``reserved - refunded := accounted_groups`` (groups already

@@ -56,6 +56,10 @@ class Keys:
         return self._k("capacity", "refunded")
 
     @property
+    def staleness_bound(self) -> str:  # int: admission bound the learner sets (adaptive staleness); absent = ceiling
+        return self._k("capacity", "staleness_bound")
+
+    @property
     def stop(self) -> str:  # str reason; present = the run is stopping
         return self._k("control", "stop")
 

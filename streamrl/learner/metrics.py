@@ -8,8 +8,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from streamrl.algorithms.losses import normalised_ess
+
 # Token-weighted means: summed as ``value * tokens`` per micro-batch, divided by the tokens seen.
-TOKEN_WEIGHTED = ("learner/clip_frac", "learner/is_weight_mean", "learner/is_truncated_frac")
+TOKEN_WEIGHTED = ("learner/clip_frac", "learner/is_weight_mean", "learner/is_truncated_frac",
+                  "learner/behaviour_weight_mean", "learner/behaviour_weight_sq_mean", "learner/kl_behaviour")
+# Their value without tokens: the on-policy one.
+_NO_TOKENS = {"learner/is_weight_mean": 1.0, "learner/behaviour_weight_mean": 1.0,
+              "learner/behaviour_weight_sq_mean": 1.0}
 # The MoE router losses: each rank's value is its share of the global loss, reduced by a sum.
 SHARED_LOSSES = ("moe/aux_loss", "moe/z_loss")
 
@@ -48,9 +54,18 @@ def host_metrics_many(accs: list[dict[str, torch.Tensor | float]]) -> list[dict[
 
 
 def token_weighted_means(metrics: dict[str, float], tokens: float) -> dict[str, float]:
-    """The :data:`TOKEN_WEIGHTED` sums divided by ``tokens`` (without tokens: weight 1, fractions 0)."""
+    """The :data:`TOKEN_WEIGHTED` sums divided by ``tokens`` (without tokens: weights 1, fractions 0)."""
     for k in TOKEN_WEIGHTED:
-        metrics[k] = metrics[k] / tokens if tokens else (1.0 if k == "learner/is_weight_mean" else 0.0)
+        metrics[k] = metrics[k] / tokens if tokens else _NO_TOKENS.get(k, 0.0)
+    return metrics
+
+
+def with_ess(metrics: dict[str, float]) -> dict[str, float]:
+    """``learner/is_ess`` (normalised ESS of the behaviour weights ``pi_prox / mu`` over the step's
+    tokens) in place of the two weight moments it is computed from (when the loss reported them)."""
+    if "learner/behaviour_weight_sq_mean" in metrics:
+        mean, sq = metrics.pop("learner/behaviour_weight_mean"), metrics.pop("learner/behaviour_weight_sq_mean")
+        metrics["learner/is_ess"] = normalised_ess(mean, sq)
     return metrics
 
 
@@ -73,5 +88,5 @@ def read_minibatch_metrics(pending: list[MetricSums], world: int, group=None) ->
     """Each minibatch's sums as floats, means over its tokens and over the ranks: one wait for the device."""
     out = []
     for metrics, sums in zip(host_metrics_many([s.values for s in pending]), pending):
-        out.append(mean_over_ranks(token_weighted_means(metrics, sums.tokens), world, group))
+        out.append(with_ess(mean_over_ranks(token_weighted_means(metrics, sums.tokens), world, group)))
     return out

@@ -37,12 +37,13 @@ import dataclasses
 
 import torch
 
-from streamrl.algorithms.losses import (Normalizers, PolicyLossSpec, gspo_loss, importance_weights, masked_stats,
-                                        policy_loss)
+from streamrl.algorithms.losses import (Normalizers, PolicyLossSpec, behaviour_gap_stats, gspo_loss,
+                                        importance_weights, masked_stats, policy_loss)
 from streamrl.algorithms.moe_losses import load_balancing_loss, router_z_loss
 from streamrl.algorithms.regularizers import kl_penalty
 from streamrl.config import LearnerConfig
 from streamrl.learner.critic import critic_metrics, value_loss
+from streamrl.learner.metrics import TOKEN_WEIGHTED
 from streamrl.learner.moe_router import router_metrics
 
 LOSSES: dict[str, dict] = {
@@ -212,8 +213,9 @@ class StepLoss:
         loss, stats = compute_policy_loss(self.cfg, out.logp, tgt.prox_logp, tgt.behav_logp, tgt.advantages,
                                           tgt.mask, norm, tensor_stats=True)
         metrics["learner/loss"] = loss.detach()
-        for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
-            metrics[f"learner/{k}"] = stats[k] * tgt.tokens
+        stats.update(behaviour_gap_stats(tgt.prox_logp, tgt.behav_logp, tgt.mask))
+        for k in TOKEN_WEIGHTED:
+            metrics[k] = stats[k.removeprefix("learner/")] * tgt.tokens
         return loss
 
     def _router_terms(self, routers: list[torch.Tensor], tgt: LossTargets, metrics: dict) -> dict[str, torch.Tensor]:

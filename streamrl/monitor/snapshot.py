@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from streamrl.monitor.learning import learning_section
 from streamrl.roles.names import REWARD, ROLE_SERVERS
 
 LAYER_RE = re.compile(r"^moe/router_entropy/layer(\d+)$")
@@ -136,6 +137,8 @@ class SnapshotBuilder:
             **self._credit(state),
             **self._env(state, workers),
             **self._roles(history, state, now, t_lo, t_hi),
+            **learning_section(latest_l, lambda key: _first(_window_mean(learner, key, t_lo, t_hi), latest_l.get(key)),
+                               [state.latest.get(p, {}) for p in workers]),
         }
 
     @staticmethod

@@ -81,10 +81,34 @@ def totals_panel(s: dict) -> Panel:
         ("reward train / gen", f"{fmt(t.get('reward_mean'))} / {fmt(t.get('rollout_reward_mean'))}"),
         (kl_label, fmt(t.get("mismatch_kl"))),
     ]
+    rows += learning_rows(s)
     rows += critic_rows(s)
     rows += env_rows(s)
     rows += role_rows(s)
     return Panel(_kv_table(rows), title=f"Totals (last {s['window_s']:.0f} s)", box=box.SQUARE)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f} %"
+
+
+def learning_rows(s: dict) -> list[tuple[str, str]]:
+    """Rows of the learning diagnostics (response length mean / p90 and the share cut at the
+    limit; entropy; the importance weights' ESS, clip fraction and behaviour KL; staleness max
+    against the admission bound; reward per task); none for learners that do not report them."""
+    g = s.get("learning")
+    if not g:
+        return []
+    rows = [
+        ("response len mean / p90", f"{fmt(g.get('response_len_mean'))} / {fmt(g.get('response_len_p90'))}"),
+        ("truncated at the limit", _pct(g.get("truncated_frac"))),
+        ("entropy", fmt(g.get("entropy"))),
+        ("IS ESS / clip frac", f"{fmt(g.get('is_ess'))} / {_pct(g.get('clip_frac'))}"),
+        ("behaviour KL", fmt(g.get("kl_behaviour"))),
+        ("staleness max / bound", f"{fmt(g.get('staleness_max'))} / {fmt(g.get('staleness_bound'))}"),
+    ]
+    rows += [(f"reward {task}", fmt(v)) for task, v in (g.get("task_reward") or {}).items()]
+    return rows
 
 
 def critic_rows(s: dict) -> list[tuple[str, str | Text]]:

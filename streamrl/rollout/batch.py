@@ -14,6 +14,7 @@ from tensordict import TensorDict
 from streamrl.config import Config
 from streamrl.engines.base import BetweenSteps, Generation
 from streamrl.rewards import CombinedReward, response_texts, token_rewards
+from streamrl.rollout.metrics import task_rewards
 from streamrl.rollout.prompts import PromptEncoder
 from streamrl.tasks.truncation import apply_truncation_rule, stop_ids
 from streamrl.trajectory import make_id, pack_trajectories
@@ -62,7 +63,8 @@ class BatchRoller:
         rewards, cut = apply_truncation_rule(rewards, gen.tokens, self._eos, rc.max_new_tokens,
                                              self.truncated_scores_zero)
         self.last_metrics = {"rollout/truncated": sum(cut) / max(len(cut), 1),
-                             "rollout/reward_errors": float(sum(self.reward.errors.values()))}
+                             "rollout/reward_errors": float(sum(self.reward.errors.values())),
+                             **task_rewards(flat_problems, rewards, self.cfg.task.name)}
         group_ids, traj_ids = self._ids(len(problems), rc.group_size)
         versions = gen.versions if gen.versions is not None else [[version] * len(t) for t in gen.tokens]
         per_token = self._token_rewards(flat_problems, texts, gen.tokens, rewards) if rc.token_rewards else None
