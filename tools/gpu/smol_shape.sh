@@ -8,7 +8,7 @@
 # Run on the device machine from the repo root (< 3 min a run). ENGINE=hf gives the baseline.
 # Knobs: PPB (prompts per rollout batch, 8), STALENESS (2), INTERVAL (learner.publish_interval, 1),
 # ROLLERS (1), RUN (a name for the output files), and extra key=value overrides as arguments.
-# The README's recipe F (sessions 15 and 16; three runs back to back, medians with spreads):
+# The recipe in docs/benchmarks.md (three runs back to back, medians with spreads):
 #   STEPS=100 TRAIN_TIMEOUT=150 PPB=32 STALENESS=8 INTERVAL=4 ROLLERS=2 RUN=F1 bash tools/gpu/smol_shape.sh
 set -uo pipefail
 source tools/gpu/env.sh || exit 1
