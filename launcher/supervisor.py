@@ -24,9 +24,11 @@ from pathlib import Path
 
 import redis
 
+from streamrl.launcher.diagnosis import Fault
 from streamrl.launcher.process import ManagedProcess
 from streamrl.launcher.progress import Progress
 from streamrl.launcher.runstate import RunState
+from streamrl.launcher.watchdog import Watchdog
 
 TICK_S = 0.2
 ENDPOINT_WATCH_S = 600.0
@@ -48,7 +50,11 @@ class Supervisor:
     park_timeout_s: float = 300.0
     progress: Progress | None = None
     """The live progress line (head host only)."""
+    watchdog: Watchdog | None = None
+    """Stuck detection for the rollout workers (restarts the ones whose progress stopped)."""
     failures: list[str] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    """Every abnormal exit or stall, in the order seen (the diagnosis names the first)."""
     interrupted: list[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -61,6 +67,9 @@ class Supervisor:
 
     def on_signal(self, signum, frame) -> None:
         self.interrupted.append(signum)
+
+    def _fault(self, p: ManagedProcess, what: str) -> None:
+        self.faults.append(Fault(time.time(), p.name, what, p.log_path))
 
     def say(self, msg: str) -> None:
         print(f"streamrl-launch: {msg}", flush=True)
@@ -97,6 +106,9 @@ class Supervisor:
             stop = self.coord.stop_reason()
             if self._follow_run():
                 return True
+            if self.watchdog is not None and stop is None:
+                for p, why in self.watchdog.check(self.rollers):
+                    self._fault(p, why)
         except redis.RedisError as e:
             if self.seen_stop:
                 return True  # the head's Redis went away after the run stopped
@@ -117,6 +129,7 @@ class Supervisor:
             return False
         if rc == 0:
             return True
+        self._fault(self.learner, f"exited with code {rc}")
         if self.head and self.learner.restarts < self.learner_restarts:
             self._restart_learner(rc)
             return False
@@ -150,7 +163,9 @@ class Supervisor:
                 r.exit_codes.append(code)
                 r.proc = None
                 r.parked_since = now
-            elif r.schedule_restart():
+                return
+            self._fault(r, f"exited with code {code}")
+            if r.schedule_restart():
                 self.say(f"{r.name} exited with {code}; restart {r.restarts}/{r.max_restarts} "
                          f"in {r.backoff_s * 2 ** (r.restarts - 1):.0f} s")
             else:
