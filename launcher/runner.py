@@ -135,7 +135,7 @@ def stopped_report(launch: Launch, signum: int) -> str:
     if not launch.head:
         return lines[0] + "; the head host holds the checkpoint"
     # Lazy: the checkpoint module pulls in the model stack (seconds), needed only after a stop on request.
-    from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint  # noqa: PLC0415
+    from streamrl.learner.run_checkpoint import checkpoint_dir, latest_checkpoint  # noqa: PLC0415
 
     ckpt = latest_checkpoint(checkpoint_dir(launch.cfg))
     if ckpt is None:

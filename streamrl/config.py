@@ -22,9 +22,11 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or out of range; the message names it."""
+from streamrl.errors import ConfigError
+from streamrl.placement import validate_placement_config
+from streamrl.rewards import RewardSpecError, parse_reward_spec
+from streamrl.tasks import available_tasks
+from streamrl.tasks.reasoning import ANSWER_FORMATS, parse_datasets
 
 
 def _check(cond: bool, name: str, value: Any, why: str) -> None:
@@ -114,9 +116,6 @@ class TaskConfig:
     """long_sequence: longest answer in tokens; at least min_answer_tokens + 32 (room for a whole term)."""
 
     def validate(self, p: str) -> None:
-        from streamrl.tasks import available_tasks
-        from streamrl.tasks.reasoning import ANSWER_FORMATS, parse_datasets
-
         _check(self.name in available_tasks(), f"{p}.name", self.name,
                f"unknown task; known: {sorted(available_tasks())}")
         _check(1 <= self.num_digits <= 12, f"{p}.num_digits", self.num_digits, "must be in [1, 12]")
@@ -187,8 +186,6 @@ class EvalConfig:
         _check(self.max_new_tokens >= 0, f"{p}.max_new_tokens", self.max_new_tokens, "must be >= 0")
         _check(self.batch_size >= 1, f"{p}.batch_size", self.batch_size, "must be >= 1")
         if self.reward != "task":
-            from streamrl.rewards import RewardSpecError, parse_reward_spec
-
             try:
                 parse_reward_spec(self.reward)
             except RewardSpecError as e:
@@ -289,8 +286,6 @@ class RolloutConfig:
         _check(not (self.inflight_updates and self.engine == "hf"), f"{p}.inflight_updates", self.inflight_updates,
                "in-flight weight updates need rollout.engine = 'hf_fast' or 'vllm' (hf uses model.generate)")
         if self.rewards != "task":
-            from streamrl.rewards import RewardSpecError, parse_reward_spec
-
             try:
                 parse_reward_spec(self.rewards)
             except RewardSpecError as e:
@@ -313,7 +308,7 @@ class LearnerConfig:
     max_staleness: int = 4
     """Largest accepted version lag (learner version - oldest token version); 0 = on-policy."""
     loss: str = "grpo_tis"
-    """Policy loss (see streamrl.learner.objective.LOSSES): grpo_tis, grpo_no_correction, grpo_mis,
+    """Policy loss (see streamrl.learner.step_loss.LOSSES): grpo_tis, grpo_no_correction, grpo_mis,
     grpo_seq_tis, grpo_seq_mis, decoupled_ppo, ppo_coupled, gspo, vtrace (critic variant)."""
     clip_low: float = 0.2
     """PPO clip epsilon below 1."""
@@ -508,8 +503,6 @@ class PlacementConfig:
     """CPU learner and workers of one host lend idle cores: the learner a waiting worker's threads, an hf_fast worker the waiting learner's."""
 
     def validate(self, p: str) -> None:
-        from streamrl.placement import validate_placement_config  # noqa: PLC0415 (no import cycle)
-
         validate_placement_config(self, p)
         for name in ("learner_threads", "rollout_threads"):
             _check(getattr(self, name) >= 0, f"{p}.{name}", getattr(self, name), "must be >= 0 (0 = auto)")
@@ -711,8 +704,8 @@ def admission_wait_note(batch: int, groups_per_step: int, max_staleness: int, wo
     before it; to start its next batch at once, admission must cover that batch, the one just
     finished and the other workers' in flight: ``(workers + 1) * batch <= (max_staleness + 1) *
     groups_per_step``. Below that, every worker idles part of each batch and a rollout-bound run
-    loses throughput (session 10's gpu-long: batch 32, 8 groups a step, staleness 4: the learner
-    idled 20 %). ``max_staleness = 0`` is the synchronous mode, where waiting is the point.
+    loses throughput (configs/gpu-long.yaml at staleness 4, batch 32, 8 groups a step, leaves
+    the learner idle a fifth of the time). ``max_staleness = 0`` is the synchronous mode, where waiting is the point.
     """
     if max_staleness == 0:
         return None

@@ -151,7 +151,7 @@ def load_for_eval(cfg: Config, checkpoint: str | None, device: str = "cpu"):
         model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
         return model.to(device), tok
     from streamrl.export import load_checkpoint_model
-    from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint
+    from streamrl.learner.run_checkpoint import checkpoint_dir, latest_checkpoint
 
     path = latest_checkpoint(checkpoint_dir(cfg)) if checkpoint == "latest" else Path(checkpoint)
     if path is None:

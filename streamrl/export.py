@@ -7,7 +7,7 @@ safetensors shards, ``config.json``, ``generation_config.json`` and the tokenize
 V-trace value head stays behind.
 
 How, and why this way: the checkpoint stores every tensor under its HF parameter name with its
-global shape (experts included, see :mod:`streamrl.learner.checkpoint`), so DCP's
+global shape (experts included, see :mod:`streamrl.learner.run_checkpoint`), so DCP's
 ``FileSystemReader`` loads the parameters straight into an HF model of the run's architecture,
 single-process, resharding as it reads. The folder is then written by transformers'
 ``save_pretrained``, not by DCP's ``HuggingFaceStorageWriter``: transformers 5 keeps fused
@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from streamrl.config import load_config
 
 if TYPE_CHECKING:  # torch is imported where used: `streamrl-export --help` stays instant
     import torch
@@ -105,7 +107,7 @@ def load_checkpoint_model(ckpt: Path, cfg=None):
     """
     import torch.distributed.checkpoint as dcp
 
-    from streamrl.learner.checkpoint import CheckpointError, read_learner_state, read_run_config
+    from streamrl.learner.run_checkpoint import CheckpointError, read_learner_state, read_run_config
     from streamrl.learner.critic import is_critic_param
     from streamrl.models.factory import load_model_and_tokenizer
 
@@ -194,7 +196,7 @@ def write_hf_folder(trainer, out_dir: str | Path, dtype: "torch.dtype | None" = 
 
 def hf_export_dir(cfg, step: int) -> Path:
     """Where the in-run exports go: ``CKPT_DIR/hf/step_00000012``."""
-    from streamrl.learner.checkpoint import checkpoint_dir
+    from streamrl.learner.run_checkpoint import checkpoint_dir
 
     return checkpoint_dir(cfg) / "hf" / f"step_{step:08d}"
 
@@ -211,8 +213,7 @@ def write_step_folder(trainer, step: int) -> Path | None:
 
 
 def _resolve_checkpoint(args) -> tuple[Path, object]:
-    from streamrl.config import load_config
-    from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint
+    from streamrl.learner.run_checkpoint import checkpoint_dir, latest_checkpoint
 
     cfg = load_config(args.config, [f"run.run_dir={args.run_dir}"]) if args.config else None
     if args.checkpoint != "latest":

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamrl.config import ConfigError
+from streamrl.errors import ConfigError
 
 ROLES = ("learner", "rollout", "reference", "reward", "critic")
 ALIASES = {"actor": "learner", "ref": "reference", "reward_model": "reward", "rm": "reward"}
@@ -195,13 +195,7 @@ def plan_node(pc, *, learners: int | None, rollers: int | None, learner_device: 
     ``CUDA_VISIBLE_DEVICES`` list (None = GPUs 0..gpu_count-1), so children get physical ids.
     Raises :class:`PlacementError` with a one-line message naming the problem.
     """
-    if role not in LAUNCH_ROLES:
-        raise PlacementError(f"--role {role!r}: expected one of {', '.join(LAUNCH_ROLES)}")
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise PlacementError(f"--node-rank {node_rank} with --nnodes {nnodes}: need 0 <= node-rank < nnodes")
-    for flag, v in (("--learners", learners), ("--rollers", rollers)):
-        if v is not None and v < (1 if flag == "--learners" else 0):
-            raise PlacementError(f"{flag} = {v}: must be >= {1 if flag == '--learners' else 0}")
+    _check_launch_args(role, nnodes, node_rank, learners, rollers)
     groups = _colocate_groups(pc.colocate, "placement.colocate")
     lwhere = "placement.learner" if pc.learner is not None else "learner.device"
     rwhere = "placement.rollout" if pc.rollout is not None else "rollout.device"
@@ -214,8 +208,7 @@ def plan_node(pc, *, learners: int | None, rollers: int | None, learner_device: 
                 raise PlacementError(f"{where}: {d} names node {d.node}, but --nnodes is {nnodes}")
     _learner_rules(ldevs, lwhere)
     gpus = _GpuCheck(gpu_count)
-
-    # -- learner ranks (global), then this node's share
+    # learner ranks are global (one device each); each node then takes its own share
     ldevs = _expand_learner(ldevs, learners, lwhere, gpu_count if node_rank == 0 else None)
     learner_nodes = sorted({d.node for d in ldevs})
     runs_learner = role in ("all", "learner") and node_rank in learner_nodes
@@ -224,46 +217,67 @@ def plan_node(pc, *, learners: int | None, rollers: int | None, learner_device: 
                              f"node(s) {learner_nodes} only")
     learner = None
     if runs_learner:
-        local = [d for d in ldevs if d.node == node_rank]
-        for d in local:
-            gpus.check(d, lwhere)
-        hosted = {}
-        for r in ("reference", "critic"):
-            hosted_here = _hosted_here(optional[r], f"placement.{r}", node_rank, learner_nodes, "learner", gpus)
-            if hosted_here:
-                hosted[r] = hosted_here
-        learner = _process("learner", "learner", local, hosted, visible, per_rank=True)
-
-    # -- rollout workers on this node
+        learner = _learner_process(ldevs, lwhere, optional, node_rank, learner_nodes, gpus, visible)
     rollouts: list[ProcessPlacement] = []
     if role in ("all", "rollout"):
-        explicit = [d for d in rdevs if d.node in (None, node_rank)]
-        local = []
-        for d in explicit:
-            if d.kind == "cuda" and d.index is None:
-                if gpu_count == 0:
-                    raise PlacementError(f"{rwhere} = 'cuda' but this host has no GPU (torch.cuda.device_count() = 0)")
-                local += [Device("cuda", i, node_rank) for i in range(gpu_count)]
-            else:
-                local.append(Device(d.kind, d.index, node_rank))
-        if not local and (role == "rollout" or rollers):
-            raise PlacementError(f"--role {role} on node {node_rank}, but {rwhere} places no rollout device on "
-                                 f"node {node_rank}")
-        m = len(local) if rollers is None else rollers
-        bare = any(d.kind == "cuda" and d.index is None for d in explicit)
-        if local and m < len(local) and not bare:
-            raise PlacementError(f"--rollers {m} but {rwhere} lists {len(local)} devices on this node "
-                                 f"({', '.join(d.local() for d in local)}); some would stay unused")
-        if role == "rollout" and m < 1:
-            raise PlacementError(f"--rollers {m} with --role rollout: this host would start nothing")
-        for d in local:
-            gpus.check(d, rwhere)
-        reward = _hosted_here(optional["reward"], "placement.reward", node_rank, None, "rollout", gpus)
-        for i in range(m):
-            rollouts.append(_process(f"rollout-{i}", "rollout", [local[i % len(local)]],
-                                     {"reward": reward} if reward else {}, visible, per_rank=False))
+        rollouts = _rollout_processes(rdevs, rwhere, optional["reward"], role, node_rank, rollers, gpus, visible)
     _check_colocation(learner, rollouts, groups, node_rank)
     return NodePlan(node_rank, nnodes, role, len(ldevs), learner_nodes, learner, rollouts)
+
+
+def _check_launch_args(role: str, nnodes: int, node_rank: int, learners: int | None, rollers: int | None) -> None:
+    """The launcher flags on their own: --role, --nnodes/--node-rank, --learners/--rollers."""
+    if role not in LAUNCH_ROLES:
+        raise PlacementError(f"--role {role!r}: expected one of {', '.join(LAUNCH_ROLES)}")
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise PlacementError(f"--node-rank {node_rank} with --nnodes {nnodes}: need 0 <= node-rank < nnodes")
+    for flag, v in (("--learners", learners), ("--rollers", rollers)):
+        if v is not None and v < (1 if flag == "--learners" else 0):
+            raise PlacementError(f"{flag} = {v}: must be >= {1 if flag == '--learners' else 0}")
+
+
+def _learner_process(ldevs: list[Device], lwhere: str, optional: dict[str, list[Device]], node_rank: int,
+                     learner_nodes: list[int], gpus: _GpuCheck, visible: list[str] | None) -> ProcessPlacement:
+    """This node's part of the learner job: its ranks' devices and the reference/critic it hosts."""
+    local = [d for d in ldevs if d.node == node_rank]
+    for d in local:
+        gpus.check(d, lwhere)
+    hosted = {}
+    for r in ("reference", "critic"):
+        hosted_here = _hosted_here(optional[r], f"placement.{r}", node_rank, learner_nodes, "learner", gpus)
+        if hosted_here:
+            hosted[r] = hosted_here
+    return _process("learner", "learner", local, hosted, visible, per_rank=True)
+
+
+def _rollout_processes(rdevs: list[Device], rwhere: str, reward_devs: list[Device], role: str, node_rank: int,
+                       rollers: int | None, gpus: _GpuCheck, visible: list[str] | None) -> list[ProcessPlacement]:
+    """This node's rollout workers, dealt round-robin over its rollout devices (``--rollers`` of
+    them, default one per device), each hosting the node's reward-model devices."""
+    explicit = [d for d in rdevs if d.node in (None, node_rank)]
+    local = []
+    for d in explicit:
+        if d.kind == "cuda" and d.index is None:
+            if gpus.count == 0:
+                raise PlacementError(f"{rwhere} = 'cuda' but this host has no GPU (torch.cuda.device_count() = 0)")
+            local += [Device("cuda", i, node_rank) for i in range(gpus.count)]
+        else:
+            local.append(Device(d.kind, d.index, node_rank))
+    if not local and (role == "rollout" or rollers):
+        raise PlacementError(f"--role {role} on node {node_rank}, but {rwhere} places no rollout device on "
+                             f"node {node_rank}")
+    m = len(local) if rollers is None else rollers
+    bare = any(d.kind == "cuda" and d.index is None for d in explicit)
+    if local and m < len(local) and not bare:
+        raise PlacementError(f"--rollers {m} but {rwhere} lists {len(local)} devices on this node "
+                             f"({', '.join(d.local() for d in local)}); some would stay unused")
+    if role == "rollout" and m < 1:
+        raise PlacementError(f"--rollers {m} with --role rollout: this host would start nothing")
+    for d in local:
+        gpus.check(d, rwhere)
+    reward = _hosted_here(reward_devs, "placement.reward", node_rank, None, "rollout", gpus)
+    return [_process(f"rollout-{i}", "rollout", [local[i % len(local)]], {"reward": reward} if reward else {},
+                     visible, per_rank=False) for i in range(m)]
 
 
 class _GpuCheck:
@@ -371,11 +385,11 @@ def assign_threads(plan: NodePlan, cores: int, learner_threads: int = 0, rollout
       not burn the cores another one needs.
     * a CPU learner is told how many threads this host's CPU workers hold
       (``STREAMRL_LENDABLE_THREADS``): with ``placement.lend_idle_cores`` it borrows them while
-      those workers wait (:mod:`streamrl.learner.core_lending`), and never more;
+      those workers wait (:mod:`streamrl.core_lending`), and never more;
     * the other way round, each CPU worker beside a CPU learner is told its share of the
       learner's threads (``STREAMRL_BORROWABLE_THREADS``: the learner ranks' threads split over
       the host's CPU workers, rounded down): it decodes with them while the learner waits for
-      data (:mod:`streamrl.core_borrowing`).
+      data (:mod:`streamrl.core_lending`).
 
     Args:
         plan: this host's plan; each process's ``env`` is updated in place.
@@ -399,14 +413,8 @@ def assign_threads(plan: NodePlan, cores: int, learner_threads: int = 0, rollout
         >>> plan.rollouts[0].env["STREAMRL_BORROWABLE_THREADS"], crowded.rollouts[0].env["STREAMRL_BORROWABLE_THREADS"]
         ('1', '0')
     """
+    sizes = _thread_sizes(plan, cores, learner_threads, rollout_threads)
     ranks = len(plan.learner.devices) if plan.learner is not None else 0
-    procs = ranks + len(plan.rollouts)
-    sizes: dict[str, int] = {}
-    for r in plan.rollouts:
-        sizes[r.name] = rollout_threads or max(1, cores // max(procs, 1))
-    if plan.learner is not None:
-        left = cores - sum(sizes.values())
-        sizes = {plan.learner.name: learner_threads or max(1, left // ranks), **sizes}
     total = sizes.get(plan.learner.name, 0) * ranks if plan.learner is not None else 0
     total += sum(sizes[r.name] for r in plan.rollouts)
     for p in ([plan.learner] if plan.learner is not None else []) + plan.rollouts:
@@ -414,11 +422,27 @@ def assign_threads(plan: NodePlan, cores: int, learner_threads: int = 0, rollout
         if total > cores:
             p.env["OMP_WAIT_POLICY"] = "PASSIVE"
     if plan.learner is not None and plan.learner.devices[0].kind == "cpu":
-        # what a CPU learner may borrow while these workers wait (streamrl.learner.core_lending)
-        plan.learner.env["STREAMRL_LENDABLE_THREADS"] = str(
-            sum(sizes[r.name] for r in plan.rollouts if r.devices[0].kind == "cpu"))
-        # and what each CPU worker may borrow while the learner waits (streamrl.core_borrowing)
-        cpu_workers = [r for r in plan.rollouts if r.devices[0].kind == "cpu"]
-        for r in cpu_workers:
-            r.env["STREAMRL_BORROWABLE_THREADS"] = str(sizes[plan.learner.name] * ranks // len(cpu_workers))
+        _lending_env(plan, sizes)
     return sizes
+
+
+def _thread_sizes(plan: NodePlan, cores: int, learner_threads: int, rollout_threads: int) -> dict[str, int]:
+    """``{process name: threads}`` by the rules of :func:`assign_threads` (learner first)."""
+    ranks = len(plan.learner.devices) if plan.learner is not None else 0
+    procs = ranks + len(plan.rollouts)
+    sizes = {r.name: rollout_threads or max(1, cores // max(procs, 1)) for r in plan.rollouts}
+    if plan.learner is not None:
+        left = cores - sum(sizes.values())
+        sizes = {plan.learner.name: learner_threads or max(1, left // ranks), **sizes}
+    return sizes
+
+
+def _lending_env(plan: NodePlan, sizes: dict[str, int]) -> None:
+    """Tell a CPU learner and this host's CPU workers how many of each other's threads they may borrow."""
+    ranks = len(plan.learner.devices)
+    cpu_workers = [r for r in plan.rollouts if r.devices[0].kind == "cpu"]
+    # what the learner may borrow while these workers wait (streamrl.core_lending)
+    plan.learner.env["STREAMRL_LENDABLE_THREADS"] = str(sum(sizes[r.name] for r in cpu_workers))
+    # and what each CPU worker may borrow while the learner waits (streamrl.core_lending)
+    for r in cpu_workers:
+        r.env["STREAMRL_BORROWABLE_THREADS"] = str(sizes[plan.learner.name] * ranks // len(cpu_workers))

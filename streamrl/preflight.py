@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Iterator
 
 from streamrl.config import Config, ConfigError
+from streamrl.metrics import wandb_available
+from streamrl.rewards import parse_reward_spec
 
 # Config fields whose (non-empty) value names an input the run reads. ``model.path`` is
 # resolved on its own (a folder or a cached hub id).
@@ -67,6 +69,7 @@ def check_model(cfg: Config) -> tuple[list[str], Path | None]:
     """``model.path`` resolved (local folder or cached hub id); the tiny model needs nothing."""
     if not cfg.model.path:
         return [], None
+    # the streamrl.models package loads torch and transformers: the launcher stays free of them
     from streamrl.models.resolve import resolve_model_path  # noqa: PLC0415
 
     try:
@@ -95,14 +98,12 @@ def _import_callable(spec: str, field: str) -> str | None:
 
 def check_reward_plugins(cfg: Config) -> list[str]:
     """Every ``package.module:function`` in ``rollout.rewards`` and ``rollout.reward_model`` (or its HF folder)."""
-    from streamrl.rewards import parse_reward_spec  # noqa: PLC0415 (spec already validated by load_config)
-
     problems = []
     for name, _ in parse_reward_spec(cfg.rollout.rewards):
         if ":" in name:
             problems.append(_import_callable(name, "rollout.rewards"))
     if cfg.rollout.reward_model:
-        from streamrl.roles.reward_model import is_reward_model_folder, reward_model_kind  # noqa: PLC0415
+        from streamrl.roles.reward_model import is_reward_model_folder, reward_model_kind  # noqa: PLC0415 (torch)
 
         if is_reward_model_folder(cfg.rollout.reward_model):  # an HF reward-model folder: its kind must be known
             try:
@@ -138,7 +139,7 @@ def check_parallel(cfg: Config, learner_world: int | None, folder: Path | None) 
     """``learner.ep`` against the learner world size and the model's experts."""
     if learner_world is None:
         return []
-    from streamrl.parallel.mesh import ParallelConfigError, ParallelDims  # noqa: PLC0415
+    from streamrl.parallel.mesh import ParallelConfigError, ParallelDims  # noqa: PLC0415 (torch.distributed, as above)
 
     try:
         ParallelDims(learner_world, cfg.learner.ep).validate(model_expert_count(cfg, folder))
@@ -149,8 +150,6 @@ def check_parallel(cfg: Config, learner_world: int | None, folder: Path | None) 
 
 def check_sinks(cfg: Config) -> list[str]:
     """Optional metric sinks that were asked for must be installed."""
-    from streamrl.metrics import wandb_available  # noqa: PLC0415
-
     if cfg.run.wandb and not wandb_available():
         return ["config field 'run.wandb' = true: the wandb package is not installed "
                 "(pip install 'streamrl[wandb]'), or drop --wandb"]

@@ -209,6 +209,7 @@ def load_reward_model(reward_model: str, device: str = "cpu",
         from streamrl.roles.reward_client import RewardClient  # noqa: PLC0415 (zmq: only RM users pay)
 
         return RewardClient(endpoint)
+    # torch: only runs with a reward model pay for it
     from streamrl.roles.reward_model import HFRewardModel, is_reward_model_folder  # noqa: PLC0415
 
     if is_reward_model_folder(reward_model):
@@ -257,25 +258,20 @@ def _until_eos(tok, ids: list[int]) -> list[int]:
     return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
 
 
-def response_text(tok, ids: list[int]) -> str:
-    """The text a reward scores: the response up to (not including) its first EOS, with every
+def response_texts(tok, token_lists: list[list[int]]) -> list[str]:
+    """The texts rewards score: each response up to (not including) its first EOS, with every
     other special token *visible* (``<pad>``, ``<bos>``, chat markers).
 
-    Why visible: decoding with ``skip_special_tokens=True`` hid the pad / bos tokens a policy
-    samples between its digits (``'9<pad>5'`` scored as ``'95'``), so the reward paid for text
-    the model never wrote in that form, and positions in the text stopped matching positions in
+    Why visible: with ``skip_special_tokens=True`` the pad / bos tokens a policy samples between
+    its digits would vanish (``'9<pad>5'`` scored as ``'95'``), so the reward would pay for text
+    the model never wrote in that form, and positions in the text would not match positions in
     the response.
     """
-    return tok.decode(_until_eos(tok, ids), skip_special_tokens=False)
-
-
-def response_texts(tok, token_lists: list[list[int]]) -> list[str]:
-    """:func:`response_text` of each response."""
     return tok.batch_decode([_until_eos(tok, ids) for ids in token_lists], skip_special_tokens=False)
 
 
 def decoded_prefix_lengths(tok, ids: list[int]) -> list[int]:
-    """``[len(response_text(ids[:k + 1]))]`` for every k: where each token's text ends in the
+    """``[len(response_texts([ids[:k + 1]])[0])]`` for every k: where each token's text ends in the
     scored response (special tokens visible, nothing from the EOS on).
 
     Decoding prefixes (rather than tokens one by one) is what stays right for byte-level BPE
@@ -291,7 +287,7 @@ def token_rewards(tok, ids: list[int], char_credit: list[float], terminal: float
     """Map one response's character credits and terminal remainder onto its tokens.
 
     Args:
-        tok: the tokenizer that decoded ``ids`` (:func:`response_text`) into the text the
+        tok: the tokenizer that decoded ``ids`` (:func:`response_texts`) into the text the
             credits index.
         ids: [n] sampled response token ids.
         char_credit: credit per character of the decoded response text.

@@ -20,7 +20,7 @@ Keys are Z85 text (40 characters). Where they come from, first match wins
 Wiring (the sockets live in :mod:`streamrl.transport.sockets` and
 :mod:`streamrl.weights.zmq_plane`): call :func:`configure_curve_server` on a ROUTER/REP **before
 bind** and :func:`configure_curve_client` on a DEALER/REQ **before connect**. Options set after
-bind/connect are silently ignored by libzmq, which is why :func:`check_curve` exists for tests.
+bind/connect are silently ignored by libzmq (tests/test_security.py checks the mechanism of real sockets).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 ENV_SECRET = "STREAMRL_CURVE_SECRET"
@@ -180,8 +181,6 @@ class _Auth:
 
     @classmethod
     def allow(cls, ctx: zmq.Context, clients: tuple[bytes, ...]):
-        from zmq.auth.thread import ThreadAuthenticator
-
         auth = cls._by_ctx.get(id(ctx))
         if auth is None:
             auth = ThreadAuthenticator(ctx)
@@ -244,13 +243,6 @@ def apply_client_keys(sock: zmq.Socket, keys: CurveKeys | None) -> bool:
         return False
     configure_curve_client(sock, keys.server_public, keys.public, keys.secret)
     return True
-
-
-def check_curve(sock: zmq.Socket) -> str:
-    """``"server"``, ``"client"`` or ``"off"``: what CURVE role ``sock`` has (mechanism check)."""
-    if sock.getsockopt(zmq.MECHANISM) != zmq.CURVE:
-        return "off"
-    return "server" if sock.getsockopt(zmq.CURVE_SERVER) else "client"
 
 
 def stop_authenticator(ctx: zmq.Context) -> None:

@@ -316,44 +316,45 @@ def to_padded(td: TensorDict, pad_id: int) -> dict[str, torch.Tensor]:
     t_max = max(p + r for p, r in zip(p_lens, r_lens))
     input_ids = torch.full((b, t_max), pad_id, dtype=torch.int64)
     attn = torch.zeros((b, t_max), dtype=torch.int64)
-    loss_mask = torch.zeros((b, t_max - 1), dtype=torch.float32)
-    blp = torch.zeros((b, t_max - 1), dtype=torch.float32)
-    ver = torch.full((b, t_max - 1), -1, dtype=torch.int64)
-    routed = td.get("routed_experts", None)
-    experts = (torch.full((b, t_max - 1, *routed.shape[1:]), -1, dtype=torch.int64)
-               if routed is not None else None)
-    tok_r = td.get("token_rewards", None)
-    tok_rewards = torch.zeros((b, t_max - 1), dtype=torch.float32) if tok_r is not None else None
-    resp_pos = torch.zeros((b, t_max - 1), dtype=torch.bool) if tok_r is not None else None
     po = ro = 0
     for i, (p, r) in enumerate(zip(p_lens, r_lens)):
         input_ids[i, :p] = td["prompt_tokens"][po : po + p]
         input_ids[i, p : p + r] = td["response_tokens"][ro : ro + r]
         attn[i, : p + r] = 1
-        # logits at position t predict token t+1: response token j sits at p+j, predicted at p+j-1.
-        loss_mask[i, p - 1 : p - 1 + r] = td["response_mask"][ro : ro + r].float()
-        blp[i, p - 1 : p - 1 + r] = td["behaviour_logprobs"][ro : ro + r]
-        ver[i, p - 1 : p - 1 + r] = td["policy_version"][ro : ro + r]
-        if experts is not None:
-            experts[i, p - 1 : p - 1 + r] = routed[ro : ro + r]
-        if tok_rewards is not None:
-            tok_rewards[i, p - 1 : p - 1 + r] = tok_r[ro : ro + r]
-            resp_pos[i, p - 1 : p - 1 + r] = True
         po, ro = po + p, ro + r
+
+    def shifted(values: torch.Tensor, fill, dtype: torch.dtype) -> torch.Tensor:
+        return _at_predicting_positions(values, p_lens, r_lens, t_max, fill, dtype)
+
     out = {
         "input_ids": input_ids,
         "attention_mask": attn,
-        "loss_mask": loss_mask,
-        "behaviour_logprobs": blp,
-        "policy_version": ver,
+        "loss_mask": shifted(td["response_mask"], 0, torch.float32),
+        "behaviour_logprobs": shifted(td["behaviour_logprobs"], 0, torch.float32),
+        "policy_version": shifted(td["policy_version"], -1, torch.int64),
         "reward": td["reward"].clone(),
         "group_id": td["group_id"].clone(),
     }
-    if experts is not None:
-        out["routed_experts"] = experts
-    if tok_rewards is not None:
-        out["token_rewards"] = tok_rewards
-        out["response_positions"] = resp_pos
+    routed = td.get("routed_experts", None)
+    if routed is not None:
+        out["routed_experts"] = shifted(routed, -1, torch.int64)
+    tok_r = td.get("token_rewards", None)
+    if tok_r is not None:
+        out["token_rewards"] = shifted(tok_r, 0, torch.float32)
+        out["response_positions"] = shifted(torch.ones(tok_r.shape[0], dtype=torch.bool), False, torch.bool)
+    return out
+
+
+def _at_predicting_positions(values: torch.Tensor, p_lens: list[int], r_lens: list[int], t_max: int, fill,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """Per-response-token ``values`` [sum(r_lens), *rest] laid out as [B, t_max - 1, *rest]:
+    logits at position t predict token t+1, so response token j of row i (at p_i + j) lands at
+    p_i + j - 1; ``fill`` elsewhere."""
+    out = torch.full((len(p_lens), t_max - 1, *values.shape[1:]), fill, dtype=dtype)
+    ro = 0
+    for i, (p, r) in enumerate(zip(p_lens, r_lens)):
+        out[i, p - 1 : p - 1 + r] = values[ro : ro + r]
+        ro += r
     return out
 
 

@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import sys
+import threading
 
 import torch
 
@@ -61,8 +62,6 @@ def die_with_parent_preexec():
     from a short-lived thread (a ``threading.Timer``, a pool) would be signalled as soon as that
     thread ends. Only the main thread lives as long as the process, so only there is it safe.
     """
-    import threading
-
     return die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from streamrl.parallel.testing import spawn_gloo
+from tests.dist_helpers import spawn_gloo
 
 
 def _batch():

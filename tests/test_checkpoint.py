@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from streamrl.config import load_config
-from streamrl.learner.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
+from streamrl.learner.run_checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
                                          load_checkpoint, save_checkpoint)
 from streamrl.learner.trainer import Trainer
-from streamrl.parallel.testing import spawn_gloo
 from streamrl.trajectory import pack_trajectories
+
+from tests.dist_helpers import spawn_gloo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -181,7 +182,7 @@ def test_save_refused_before_writing_when_the_disk_is_full(tmp_path, monkeypatch
     import errno
     import shutil
 
-    import streamrl.learner.checkpoint as ckpt
+    import streamrl.learner.run_checkpoint as ckpt
 
     tr = Trainer(_cfg(tmp_path))
     save_checkpoint(tmp_path / "ck", 1, tr, {})

@@ -14,7 +14,8 @@ from streamrl.config import ModelConfig
 from streamrl.models.factory import build_model
 from streamrl.parallel.expert_parallel import parallelize
 from streamrl.parallel.mesh import build_mesh
-from streamrl.parallel.testing import spawn_gloo
+
+from tests.dist_helpers import spawn_gloo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # Compile in-process: inductor's worker pool (forked compiler processes) is what a loaded 2-core

@@ -1,4 +1,4 @@
-"""Core borrowing (streamrl.core_borrowing): a CPU rollout worker decodes with the learner's threads
+"""Core borrowing (streamrl.core_lending): a CPU rollout worker decodes with the learner's threads
 while the learner's published phase says it waits for data, gives them back within one decode
 step once it says busy, and never borrows while the learner borrows the worker's.
 
@@ -17,8 +17,8 @@ import torch
 
 from streamrl.config import load_config
 from streamrl.coord.coordinator import Coordinator
-from streamrl.core_borrowing import BORROWABLE_ENV, CoreBorrower, make_core_borrower
-from streamrl.learner.core_lending import BUSY, IDLE_STATES, WAITING, CoreLender, LearnerPhase, make_learner_phase
+from streamrl.core_lending import (BORROWABLE_ENV, BUSY, IDLE_STATES, WAITING, CoreBorrower, CoreLender, LearnerPhase,
+                                   make_core_borrower, make_learner_phase)
 from tests.test_worker_heartbeat import gated_worker
 
 LONG = ("rollout.max_new_tokens=8",)  # room for the three phases' decode steps
@@ -174,7 +174,7 @@ def test_no_borrowing_while_other_processes_keep_the_cores_busy(redis_url, run_i
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    from streamrl.learner.core_lending import HostLoad  # noqa: PLC0415
+    from streamrl.core_lending import HostLoad  # noqa: PLC0415
 
     coord = Coordinator(redis_url, run_id)
     LearnerPhase(coord, threads=1).set(WAITING)  # stale or not: the cores are what counts

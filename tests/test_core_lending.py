@@ -1,4 +1,4 @@
-"""Core lending (streamrl.learner.core_lending): the learner borrows the threads of colocated
+"""Core lending (streamrl.core_lending): the learner borrows the threads of colocated
 workers while their heartbeats say they wait, and gives them back when one generates.
 
 Real Redis and the real rollout worker (its admission loop, heartbeat thread and states); the
@@ -15,7 +15,8 @@ import torch
 
 from streamrl.config import ConfigError, load_config
 from streamrl.coord.coordinator import Coordinator
-from streamrl.learner.core_lending import IDLE_STATES, LENDABLE_ENV, CoreLender, make_core_lender
+from streamrl.core_lending import IDLE_STATES, LENDABLE_ENV, CoreLender, make_core_lender
+
 from tests.test_worker_heartbeat import gated_worker
 
 
@@ -110,7 +111,7 @@ def test_no_lending_while_other_processes_keep_the_cores_busy(redis_url, run_id)
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    from streamrl.learner.core_lending import HostLoad  # noqa: PLC0415
+    from streamrl.core_lending import HostLoad  # noqa: PLC0415
 
     coord = Coordinator(redis_url, run_id)
     coord.heartbeat(0, {"host": socket.gethostname(), "state": "waiting_admission", "threads": 1})

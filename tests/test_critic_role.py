@@ -168,12 +168,14 @@ def test_learner_gae_advantages_from_served_values(critic_cfg):
     """``learner.advantage = gae``: the learner's advantages are the whitened GAE of the batch's
     ``values`` (hand-checked on one row); a batch without values is an error naming the fix."""
     from streamrl.learner.trainer import Trainer
+    from streamrl.bench.padded_reference import packed_gradients
+    from streamrl.learner.step_inputs import batch_advantages, batch_response_grid
 
     td = scripted_batch(critic_cfg, random.Random(3), n=8)
     td["values"] = torch.linspace(0.0, 1.0, td["response_tokens"].numel())
     trainer = Trainer(critic_cfg)
-    grid = trainer._response_grid(td)
-    adv = trainer._advantages(td, grid)
+    grid = batch_response_grid(td, trainer.critic)
+    adv = batch_advantages(trainer.cfg, td, grid)
     assert adv.shape == grid.loss_mask.shape
     raw, _ = gae_advantages(torch.tensor([[0.5, 0.25, 0.0]]), torch.tensor([1.0]), torch.tensor([3]), 1.0, 0.5)
     # deltas: 0.25-0.5, 0-0.25, 1-0 -> A2 = 1, A1 = -0.25 + 0.5, A0 = -0.25 + 0.5 * 0.25
@@ -181,8 +183,8 @@ def test_learner_gae_advantages_from_served_values(critic_cfg):
     m = grid.loss_mask.bool()
     assert float(adv[m].mean()) == pytest.approx(0.0, abs=1e-5) and float(adv[m].std(unbiased=False)) == \
         pytest.approx(1.0, abs=1e-3)
-    metrics = trainer.gradients(td)
+    metrics = packed_gradients(trainer, td)
     assert metrics["learner/loss"] == metrics["learner/loss"]  # finite
     del td["values"]
     with pytest.raises(ValueError, match="placement.critic"):
-        trainer.gradients(td)
+        packed_gradients(trainer, td)

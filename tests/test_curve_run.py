@@ -30,7 +30,8 @@ def test_launch_with_curve_keys(tmp_path, repo, python):
     # peers is covered on real sockets in tests/test_security.py).
     ctx = zmq.Context()
     try:
-        from streamrl.security import check_curve, load_curve_keys
+        from streamrl.security import load_curve_keys
+        from tests.test_security import check_curve
         from streamrl.transport.sockets import learner_socket
         from streamrl.transport.codec import Limits
 

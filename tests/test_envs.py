@@ -402,6 +402,7 @@ def test_learner_trains_only_the_model_tokens_of_an_episode(engine_and_tok):
     and whatever behaviour log-prob they carry does not change the gradient."""
     from streamrl.config import load_config
     from streamrl.learner.trainer import Trainer
+    from streamrl.bench.padded_reference import packed_gradients
 
     from test_checkpoint import REPO
 
@@ -414,12 +415,12 @@ def test_learner_trains_only_the_model_tokens_of_an_episode(engine_and_tok):
         ep.reward = float(j % 2)  # two groups of two with different rewards: non-zero advantages
     td = episodes_to_trajectories(eps, group_ids=[0, 0, 1, 1], traj_ids=[1, 2, 3, 4], worker_id=0)
     tr = Trainer(load_config(f"{REPO}/configs/tiny.yaml", ["learner.lr=1e-3"]))
-    tr.gradients(td)
+    packed_gradients(tr, td)
     grads = {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
     env = ~td["response_mask"]
     assert env.sum() == len(eps) * len(tok.encode(TOOL_REPLY, add_special_tokens=False))
     td["behaviour_logprobs"][env] = -7.0  # a wrong value on tool tokens must not matter
-    tr.gradients(td)
+    packed_gradients(tr, td)
     for n, p in tr.model.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(p.grad, grads[n], atol=1e-7, rtol=0)

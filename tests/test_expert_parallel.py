@@ -11,7 +11,8 @@ from streamrl.models.factory import build_model
 from streamrl.models.families import RoutingSpec
 from streamrl.models.moe import EPMoEBlock, convert_moe_blocks, route
 from streamrl.parallel.mesh import ParallelConfigError, ParallelDims
-from streamrl.parallel.testing import spawn_gloo
+
+from tests.dist_helpers import spawn_gloo
 
 MCFG = ModelConfig(num_experts=4, experts_per_token=2, num_layers=1)
 

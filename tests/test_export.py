@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from streamrl.config import ConfigError, load_config
 from streamrl.export import export_checkpoint, main, write_hf_folder
-from streamrl.learner.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
+from streamrl.learner.run_checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
 from streamrl.learner.trainer import Trainer
 from streamrl.models.tokenizer import build_char_tokenizer
-from streamrl.parallel.testing import spawn_gloo
+
+from tests.dist_helpers import spawn_gloo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = torch.tensor([[1, 5, 9, 4, 12, 7, 3, 18], [1, 11, 6, 6, 2, 19, 8, 10]])

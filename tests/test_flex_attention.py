@@ -175,7 +175,7 @@ def test_attention_setting():
 
 def test_metrics_read_once_match_the_padded_step():
     """The step's metrics (read from the device once) are the padded reference's, grad_norm included."""
-    from streamrl.learner.padded_reference import padded_step
+    from streamrl.bench.padded_reference import packed_gradients, padded_step
 
     batch = group_batch(4)
     extra = ["learner.max_tokens_per_microbatch=24", "learner.aux_loss_coef=0", "learner.entropy_coef=0.01"]
@@ -200,7 +200,7 @@ def test_flex_gradients_equal_sdpa_on_gpu(shared):
              "learner.aux_loss_coef=0"]
     ref, flex = _trainer([*extra, "learner.attention=sdpa"]), _trainer([*extra, "learner.attention=flex"])
     flex.model.load_state_dict(ref.model.state_dict())
-    mr, mf = ref.gradients(batch), flex.gradients(batch)
+    mr, mf = packed_gradients(ref, batch), packed_gradients(flex, batch)
     assert mf["learner/loss"] == pytest.approx(mr["learner/loss"], rel=1e-4, abs=1e-6)
     gr, gf = _full_grads(ref), _full_grads(flex)
     assert gr and gr.keys() == gf.keys()

@@ -6,7 +6,8 @@ import torch
 
 from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
-from streamrl.parallel.testing import assert_ranks_match_reference, spawn_gloo
+
+from tests.dist_helpers import assert_ranks_match_reference, spawn_gloo
 
 from test_checkpoint import REPO, make_batch
 

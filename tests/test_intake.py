@@ -150,7 +150,7 @@ def test_rebase_counts_the_lost_branch_as_fresh_and_older_data_by_its_true_lag(c
 
 
 def test_checkpointer_round_trips_the_intake_and_progress(cfg, coord, tmp_path):
-    from streamrl.learner.checkpointer import Checkpointer, RunProgress
+    from streamrl.learner.checkpoint_manager import Checkpointer, RunProgress
     from streamrl.learner.trainer import Trainer
 
     trainer = Trainer(cfg)

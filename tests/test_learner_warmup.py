@@ -15,8 +15,10 @@ from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
 from streamrl.learner.warmup import synthetic_batch, warm_up_pays
 from streamrl.parallel.expert_parallel import full_parameter
-from streamrl.parallel.testing import spawn_gloo
 from streamrl.trajectory import split_trajectories
+
+from tests.dist_helpers import spawn_gloo
+from tests.learner_helpers import router_ema_state
 
 from test_checkpoint import REPO
 from test_packing import BASE, group_batch
@@ -32,7 +34,7 @@ def _state(tr: Trainer) -> dict[str, torch.Tensor]:
         out[name] = full_parameter(name, p.detach(), tr.mesh).clone()
         for k, v in tr.optim.state.get(p, {}).items():
             out[f"{name}/{k}"] = (full_parameter(name, v, tr.mesh) if v.ndim else v).clone()
-    for name, v in tr.router_ema_state().items():
+    for name, v in router_ema_state(tr).items():
         out[f"ema/{name}"] = v.clone()
     return out
 

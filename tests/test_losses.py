@@ -6,10 +6,12 @@ import math
 import pytest
 import torch
 
-from streamrl.algorithms.losses import (aggregate, gspo_loss, importance_weights, policy_loss,
-                                        ppo_clip_tis_loss, ppo_clip_token_loss)
+from streamrl.algorithms.losses import (Normalizers, PolicyLossSpec, aggregate, gspo_loss, importance_weights,
+                                        policy_loss, ppo_clip_token_loss)
 from streamrl.algorithms.regularizers import kl_penalty, token_entropy
 from streamrl.algorithms.vtrace import vtrace, vtrace_losses
+
+from tests.learner_helpers import ppo_clip_tis_loss
 
 
 def _ratio_logp(r: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +87,7 @@ def test_policy_loss_gradient_is_weighted_pg():
     behav = logp.detach() + 0.3 * torch.randn(3, 4)
     adv = torch.tensor([1.0, -1.0, 0.5])
     mask = torch.ones(3, 4)
-    loss, stats = policy_loss(logp, logp.detach(), behav, adv, mask, is_mode="token-tis", is_cap=1.5)
+    loss, stats = policy_loss(logp, logp.detach(), behav, adv, mask, PolicyLossSpec(is_mode="token-tis", is_cap=1.5))
     loss.backward()
     w = torch.exp(logp.detach() - behav).clamp(max=1.5)
     assert torch.allclose(logp.grad, -(w * adv[:, None]) / 12, atol=1e-6)
@@ -98,7 +100,7 @@ def test_policy_loss_gradient_is_weighted_pg():
 def test_coupled_ppo_uses_behaviour_ratio():
     logp = torch.tensor([[math.log(0.5)]])
     behav = torch.tensor([[math.log(0.25)]])  # r = pi / mu = 2 -> clipped at 1.28 for A > 0
-    loss, stats = policy_loss(logp, logp, behav, torch.tensor([1.0]), torch.ones(1, 1), coupled=True)
+    loss, stats = policy_loss(logp, logp, behav, torch.tensor([1.0]), torch.ones(1, 1), PolicyLossSpec(coupled=True))
     assert loss.item() == pytest.approx(-1.28)
     assert stats["clip_frac"] == 1.0
 
@@ -176,7 +178,7 @@ def test_decoupled_ppo_is_the_untruncated_behaviour_weight():
     """decoupled_ppo (AReaL's paper objective) weighs by pi_prox/mu without a cap; grpo_tis
     truncates the same weight at tis_cap, grpo_mis drops the token."""
     from streamrl.config import LearnerConfig
-    from streamrl.learner.objective import compute_policy_loss
+    from streamrl.learner.step_loss import compute_policy_loss
 
     logp = torch.tensor([[-1.0]])
     behav = logp - math.log(3.0)  # pi_prox / mu = 3 > tis_cap = 2
@@ -184,5 +186,5 @@ def test_decoupled_ppo_is_the_untruncated_behaviour_weight():
     got = {}
     for loss in ("decoupled_ppo", "grpo_tis", "grpo_mis"):
         cfg = LearnerConfig(loss=loss, tis_cap=2.0)
-        got[loss] = compute_policy_loss(cfg, logp, logp, behav, adv, mask, 1.0, 1.0, 1.0)[0].item()
+        got[loss] = compute_policy_loss(cfg, logp, logp, behav, adv, mask, Normalizers(cfg.agg, 1.0, 1.0, 1.0))[0].item()
     assert got == pytest.approx({"decoupled_ppo": -3.0, "grpo_tis": -2.0, "grpo_mis": 0.0})

@@ -11,7 +11,8 @@ import transformers as T
 from streamrl.config import ConfigError
 from streamrl.models.families import check_converted_logits, moe_family, probe_ids, reference_logits
 from streamrl.models.moe import convert_moe_blocks
-from streamrl.parallel.testing import spawn_gloo
+
+from tests.dist_helpers import spawn_gloo
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
               head_dim=32, max_position_embeddings=64, tie_word_embeddings=False)

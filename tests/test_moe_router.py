@@ -11,6 +11,8 @@ from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
 from streamrl.models.moe import convert_moe_blocks
 
+from tests.learner_helpers import evaluate_logprobs, router_ema_state
+
 from test_checkpoint import REPO, make_batch
 
 
@@ -45,7 +47,7 @@ def test_router_ema_is_published():
     tr = _trainer("learner.router_ema=0.5")
     r0 = _routers(tr)
     tr.step(make_batch(0))
-    ema = tr.router_ema_state()
+    ema = router_ema_state(tr)
     assert set(ema) == set(r0)
     for n, p in tr.router.params:
         assert torch.allclose(ema[n], 0.5 * r0[n] + 0.5 * p.detach(), atol=1e-6)
@@ -59,7 +61,7 @@ def test_routing_replay_and_eval_determinism():
     b = make_batch(0)
     b["routed_experts"] = torch.zeros(int(b["response_lens"].sum()), 2, 2, dtype=torch.int16)
     b["routed_experts"][:, :, 1] = 1  # force experts (0, 1) on every response position
-    from streamrl.learner.trainer import padded_routed_experts
+    from streamrl.bench.padded_reference import padded_forward, padded_routed_experts
     from streamrl.trajectory import to_padded
 
     pad = to_padded(b, tr.pad_id)
@@ -67,11 +69,11 @@ def test_routing_replay_and_eval_determinism():
     p0 = int(b["prompt_lens"][0])
     assert rep[0, p0 - 1].tolist() == [[0, 1], [0, 1]] and rep[0, 0].tolist() == [[-1, -1], [-1, -1]]
     tr.model.train()
-    logits_rep, routers = tr._forward(tr.model, pad["input_ids"], pad["attention_mask"], rep)
-    logits_own, _ = tr._forward(tr.model, pad["input_ids"], pad["attention_mask"])
+    logits_rep, routers = padded_forward(tr, tr.model, pad["input_ids"], pad["attention_mask"], rep)
+    logits_own, _ = padded_forward(tr, tr.model, pad["input_ids"], pad["attention_mask"])
     assert not torch.allclose(logits_rep, logits_own)
-    a = tr.evaluate_logprobs(pad["input_ids"], pad["attention_mask"])
-    assert torch.equal(a, tr.evaluate_logprobs(pad["input_ids"], pad["attention_mask"]))
+    a = evaluate_logprobs(tr, pad["input_ids"], pad["attention_mask"])
+    assert torch.equal(a, evaluate_logprobs(tr, pad["input_ids"], pad["attention_mask"]))
     with pytest.raises(ValueError, match="layers"):
         padded_routed_experts(b, pad["input_ids"].shape[1], 3)
 

@@ -22,10 +22,6 @@ ALLOWED: dict[str, dict[str, str]] = {
         "import pickle": "the transport benchmark's pickle-over-ZeroMQ BASELINE (measured against, never used "
                          "by StreamRL); both ends are the benchmark's own processes",
     },
-    "streamrl/parallel/testing.py": {
-        "torch.load(weights_only=True)": "test helper: results of its own spawned gloo children over a local "
-                                         "multiprocessing queue, loaded with weights_only=True",
-    },
 }
 
 

@@ -1,7 +1,7 @@
 """Packed, padding-free micro-batches train exactly like today's padded full-vocabulary step.
 
-The reference is :func:`streamrl.learner.padded_reference.padded_step` (one padded forward,
-``log_softmax`` over ``[B, T, V]``); the packed step is :meth:`Trainer.gradients` /
+The reference is :func:`streamrl.bench.padded_reference.padded_step` (one padded forward,
+``log_softmax`` over ``[B, T, V]``); the packed step is :func:`~streamrl.bench.padded_reference.packed_gradients` /
 :meth:`Trainer.step`. Compared: loss and other metrics, per-token log-probs, and every
 parameter's gradient, on 1 rank, 2 FSDP ranks and 2 FSDP ranks with ep = 2 (tiny Qwen3-MoE).
 """
@@ -10,14 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from streamrl.bench.padded_reference import packed_gradients, padded_forward, padded_step
 from streamrl.config import load_config
 from streamrl.learner.logprobs import token_logprobs, token_logprobs_chunked
 from streamrl.learner.packing import build_microbatch, plan_microbatches, TrajectoryView
-from streamrl.learner.padded_reference import padded_step
 from streamrl.learner.trainer import Trainer
 from streamrl.parallel.expert_parallel import full_parameter
-from streamrl.parallel.testing import spawn_gloo
 from streamrl.trajectory import pack_trajectories, to_padded
+
+from tests.dist_helpers import spawn_gloo
 
 from test_checkpoint import REPO
 
@@ -58,7 +59,7 @@ def _packed_vs_padded(rank, world, ep, extra):
     tr = _trainer([f"learner.ep={ep}", *extra])
     ref_m = padded_step(tr, batch, optimizer_step=False)
     ref_g = _full_grads(tr)
-    m = tr.gradients(batch)
+    m = packed_gradients(tr, batch)
     g = _full_grads(tr)
     keys = [k for k in ("learner/loss", "learner/entropy", "moe/aux_loss", "moe/z_loss", "moe/router_entropy")
             if k in ref_m and not (k == "moe/aux_loss" and "learner.aux_loss_coef=0" in extra)]
@@ -118,7 +119,7 @@ def test_microbatch_layout_and_logprobs():
     with torch.no_grad():
         logp = tr._run(tr.model, mb, grid_width=max(r))[0]
         pad = to_padded(batch, tr.pad_id)
-        logits, _ = tr._forward(tr.model, pad["input_ids"], pad["attention_mask"])
+        logits, _ = padded_forward(tr, tr.model, pad["input_ids"], pad["attention_mask"])
         full = token_logprobs(logits, pad["input_ids"], 1.0)
     for i in range(6):
         assert torch.allclose(logp[i, : r[i]], full[i, p[i] - 1 : p[i] - 1 + r[i]], atol=1e-5)
@@ -191,7 +192,7 @@ def test_microbatches_match_one_microbatch_vtrace():
         for budget in (10_000, 12):
             tr = _trainer([*extra, "learner.aux_loss_coef=0", f"learner.max_tokens_per_microbatch={budget}",
                            "learner.shared_prompt=true"])
-            tr.gradients(batch)
+            packed_gradients(tr, batch)
             grads.append({n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None})
         assert grads[0].keys() == grads[1].keys()
         for k, v in grads[0].items():
@@ -218,7 +219,7 @@ def _grads_with_and_without_checkpointing(rank, world, ep, extra):
     out = []
     for ac in ("false", "true"):
         tr = _trainer([f"learner.ep={ep}", f"learner.activation_checkpointing={ac}", *extra])
-        m = tr.gradients(batch)
+        m = packed_gradients(tr, batch)
         out.append({"loss": m["learner/loss"], "g": _full_grads(tr)})
     return out
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.learner import packing, trainer as trainer_mod
+from streamrl.bench.padded_reference import packed_gradients
+from streamrl.learner import h2d, metrics as metrics_mod, packing
 from streamrl.learner.packing import (LazyMicroBatches, TrajectoryView, build_microbatch, plan_microbatches,
                                       rank_microbatches)
 
@@ -68,7 +69,7 @@ def test_next_microbatch_built_after_the_backward_is_launched(monkeypatch):
     tr.model.register_forward_pre_hook(lambda *_: events.append("forward"))
     emb = tr.model.get_input_embeddings().weight
     emb.register_hook(lambda g: events.append("backward"))  # its gradient comes last in the backward
-    tr.gradients(batch)
+    packed_gradients(tr, batch)
     n = events.count("build")
     assert n > 2
     assert events == ["build", "forward", "backward"] * n
@@ -84,24 +85,25 @@ def test_step_reads_the_metrics_once_and_they_equal_per_minibatch_reads(monkeypa
     a, b = _trainer(extra), _trainer(extra)
     assert a.router.frozen
     reads = []
-    real = trainer_mod._host_metrics_many
-    monkeypatch.setattr(trainer_mod, "_host_metrics_many", lambda accs: reads.append(len(accs)) or real(accs))
+    real = metrics_mod.host_metrics_many
+    monkeypatch.setattr(metrics_mod, "host_metrics_many", lambda accs: reads.append(len(accs)) or real(accs))
     m = a.step(batch)
     assert reads == [2]  # both minibatches' metrics in one read; no router gate read before 2 optimizer steps
-    monkeypatch.setattr(trainer_mod, "_host_metrics_many", real)
+    monkeypatch.setattr(metrics_mod, "host_metrics_many", real)
 
     grid, adv, mbs, plans = b._prepare(batch)
     b.model.train()
     with torch.no_grad():
         prox = [[b._run(b.model, x, grid_width=grid.width)[0] for x in micro] for micro, _ in plans]
-    per = [b.train_minibatch(batch, grid, adv, mb, plans[j], prox[j]) for j, mb in enumerate(mbs)]
+    per = [metrics_mod.read_minibatch_metrics([b.train_minibatch(batch, grid, adv, mb, plans[j], prox[j])], b.world)[0]
+           for j, mb in enumerate(mbs)]
     for k in per[0]:
         assert m[k] == pytest.approx(sum(p[k] for p in per) / len(per), rel=1e-6, abs=1e-9), k
     for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(p.detach(), q.detach()), n
     # past router_freeze_steps the unfreeze gate reads the router metrics before the optimizer step
     reads.clear()
-    monkeypatch.setattr(trainer_mod, "_host_metrics_many", lambda accs: reads.append(len(accs)) or real(accs))
+    monkeypatch.setattr(metrics_mod, "host_metrics_many", lambda accs: reads.append(len(accs)) or real(accs))
     a.step(batch)
     assert reads == [1, 2] and not a.router.frozen
 
@@ -114,7 +116,7 @@ def test_h2d_grouped_keeps_every_tensor():
           "empty": torch.zeros(0, dtype=torch.int64), "w": torch.rand(7, generator=g),
           "replay": torch.randint(-1, 4, (7, 2, 2), generator=g), "mask": torch.rand(1, 1, 7, 7, generator=g) > 0.5,
           "cols": torch.rand(4, 6, generator=g)[:, ::2]}  # not contiguous
-    out = packing.h2d_grouped(ts, torch.device("cpu"), pin=False)
+    out = h2d.h2d_grouped(ts, torch.device("cpu"), pin=False)
     assert out.keys() == ts.keys()
     for k, t in ts.items():
         assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t), k

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from streamrl.bench.padded_reference import packed_gradients
 from streamrl.config import load_config
 from streamrl.coord.coordinator import Coordinator
 from streamrl.launcher.process import ManagedProcess
@@ -111,12 +112,12 @@ def test_reference_process_gives_the_colocated_kl(reference_process, ref_folder)
     assert colocated.ref_model is not None and separate.ref_model is None
     for estimator in ("k1", "k3"):  # read at every step: the same trainers serve both
         colocated.cfg.learner.kl_estimator = separate.cfg.learner.kl_estimator = estimator
-        want = colocated.gradients(td)["learner/kl_ref"]
-        got = separate.gradients(served)["learner/kl_ref"]
+        want = packed_gradients(colocated, td)["learner/kl_ref"]
+        got = packed_gradients(separate, served)["learner/kl_ref"]
         assert abs(want) > 1e-3, want
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), estimator
     with pytest.raises(ValueError, match="no ref_logprobs"):
-        separate.gradients(td)
+        packed_gradients(separate, td)
 
     resolve = lambda: coord.get_endpoint(ROLE)  # noqa: E731
     fields = {k: td[k] for k in TOKEN_KEYS}

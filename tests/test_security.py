@@ -17,7 +17,6 @@ from streamrl.security import (
     SecurityError,
     apply_client_keys,
     apply_server_keys,
-    check_curve,
     configure_curve_client,
     configure_curve_server,
     curve_available,
@@ -27,6 +26,14 @@ from streamrl.security import (
     stop_authenticator,
     write_keypair,
 )
+
+
+def check_curve(sock: zmq.Socket) -> str:
+    """``"server"``, ``"client"`` or ``"off"``: the CURVE role ``sock`` really has (options set
+    after bind/connect are ignored by libzmq, so tests read the mechanism back)."""
+    if sock.getsockopt(zmq.MECHANISM) != zmq.CURVE:
+        return "off"
+    return "server" if sock.getsockopt(zmq.CURVE_SERVER) else "client"
 
 
 def _non_loopback_ip() -> str | None:

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from streamrl.bench.padded_reference import packed_gradients, padded_step
 from streamrl.config import load_config
 from streamrl.learner.attention import dense_packed_mask
 from streamrl.learner.packing import TrajectoryView, build_microbatch, plan_microbatches
-from streamrl.learner.padded_reference import padded_step
 from streamrl.learner.segment_attention import SegmentLayout, segment_attention
 from streamrl.learner.trainer import Trainer
 
@@ -86,7 +86,7 @@ def test_dense_packed_rows_without_last_token_equal_padded(dense_folder, extra):
     batch = group_batch(3)
     ref = padded_step(tr, batch, optimizer_step=False)
     ref_g = {n: p.grad.clone() for n, p in tr.model.named_parameters()}
-    m = tr.gradients(batch)
+    m = packed_gradients(tr, batch)
     for key in ("learner/loss", "learner/entropy"):
         if key in ref:
             assert m[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key

@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 
+from streamrl.bench.padded_reference import padded_routed_experts
 from streamrl.config import ModelConfig
-from streamrl.learner.trainer import padded_routed_experts
 from streamrl.models.factory import build_model, save_model
 from streamrl.models.moe import convert_moe_blocks
 from streamrl.trajectory import pack_trajectories, to_padded

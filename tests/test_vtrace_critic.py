@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from streamrl.config import load_config
-from streamrl.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from streamrl.learner.critic import critic_targets, is_critic_param, response_mdp, value_head
+from streamrl.learner.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from streamrl.learner.trainer import Trainer
 from streamrl.parallel.expert_parallel import full_parameter
-from streamrl.parallel.testing import assert_ranks_match_reference, spawn_gloo
 from streamrl.trajectory import pack_trajectories, to_padded
+
+from tests.dist_helpers import assert_ranks_match_reference, spawn_gloo
+from tests.learner_helpers import evaluate_logprobs
 
 from test_checkpoint import REPO, make_batch
 
@@ -101,7 +103,7 @@ def _on_policy_batch(tr, seed: int, n: int = 8):
     """A batch whose behaviour log-probs are the trainer's own (rho = 1 at the start)."""
     b = make_batch(seed, n)
     pad = to_padded(b, tr.pad_id)
-    lp = tr.evaluate_logprobs(pad["input_ids"], pad["attention_mask"])
+    lp = evaluate_logprobs(tr, pad["input_ids"], pad["attention_mask"])
     p_lens, r_lens = b["prompt_lens"].tolist(), b["response_lens"].tolist()
     b["behaviour_logprobs"] = torch.cat([lp[i, p - 1 : p - 1 + r] for i, (p, r) in enumerate(zip(p_lens, r_lens))])
     return b

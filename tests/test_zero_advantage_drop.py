@@ -13,9 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from streamrl.bench.padded_reference import packed_gradients
 from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
-from streamrl.parallel.testing import spawn_gloo
+
+from tests.dist_helpers import spawn_gloo
 
 from test_bench_learner import save_tiny_llama
 from test_checkpoint import REPO
@@ -57,7 +59,7 @@ def _trained_rows(tr: Trainer, batch) -> list[list[int]]:
 
 def _grads(rank, world, batch, extra, drop, dense_folder=None):
     tr = Trainer(_config(extra, drop, dense_folder))
-    m = tr.gradients(batch)
+    m = packed_gradients(tr, batch)
     return {"loss": m["learner/loss"], "dropped": m["learner/dropped_zero_adv_frac"], "g": _full_grads(tr),
             "rows": _trained_rows(tr, batch)}
 

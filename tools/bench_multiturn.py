@@ -1,4 +1,4 @@
-"""What KV reuse across turns and tool/generation overlap save on multi-turn episodes (issue 21).
+"""What KV reuse across turns and tool/generation overlap save on multi-turn episodes.
 
 Episodes of ``--turns`` model turns on the fast engine (hf_fast); every turn but the last gets a
 tool reply of ``--reply-chars`` characters after ``--tool-s`` seconds. Each figure is the median

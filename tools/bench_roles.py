@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from streamrl.bench.padded_reference import packed_gradients
 from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
 from streamrl.roles.critic import CriticRole, load_value_model
@@ -80,10 +81,10 @@ def main() -> None:
     out = {"batch": {"trajectories": a.groups * a.group_size, "response_tokens": int(td["response_lens"].sum())},
            "ms": {}, "bytes": {}}
     ms = out["ms"]
-    ms["learner_no_kl"] = timed(lambda: base.gradients(td), a.iters)
+    ms["learner_no_kl"] = timed(lambda: packed_gradients(base, td), a.iters)
     del base
     colocated = Trainer(cfg("learner.kl_coef=0.05"))
-    ms["learner_kl_reference_colocated"] = timed(lambda: colocated.gradients(td), a.iters)
+    ms["learner_kl_reference_colocated"] = timed(lambda: packed_gradients(colocated, td), a.iters)
     out["bytes"]["reference_colocated_on_learner"] = nbytes(colocated.ref_model)
     del colocated
     scorer = ReferenceScorer(load_reference_model(cfg()), cfg().rollout.temperature, device=a.device)
@@ -92,10 +93,10 @@ def main() -> None:
     ms["reference_server_score"] = timed(lambda: scorer(fields), a.iters)
     out["bytes"]["reference_server"] = nbytes(scorer.model)
     separate = Trainer(cfg("learner.kl_coef=0.05", "placement.reference=[cpu]"))
-    ms["learner_kl_reference_separate"] = timed(lambda: separate.gradients(served), a.iters)
+    ms["learner_kl_reference_separate"] = timed(lambda: packed_gradients(separate, served), a.iters)
     del separate, scorer
     vtrace = Trainer(cfg("learner.loss=vtrace"))
-    ms["learner_value_head_vtrace"] = timed(lambda: vtrace.gradients(td), a.iters)
+    ms["learner_value_head_vtrace"] = timed(lambda: packed_gradients(vtrace, td), a.iters)
     del vtrace
     c = cfg("placement.critic=[cpu]", "learner.advantage=gae")
     critic = CriticRole(c, load_value_model(c), a.device)
@@ -103,7 +104,7 @@ def main() -> None:
     with_values["values"] = critic(fields)[0]
     critic.pending.clear()
     gae = Trainer(c)
-    ms["learner_gae_from_served_values"] = timed(lambda: gae.gradients(with_values), a.iters)
+    ms["learner_gae_from_served_values"] = timed(lambda: packed_gradients(gae, with_values), a.iters)
 
     def critic_round():
         critic({**fields, "reward": td["reward"]})

@@ -72,7 +72,7 @@ def main() -> None:
             dist.barrier()
         dist.destroy_process_group()
         return
-    from streamrl.parallel.testing import spawn_gloo
+    from tests.dist_helpers import spawn_gloo
 
     for load in args.modes.split(","):
         ranks = spawn_gloo(_start, args.ranks, folder, load, args.ep, timeout_s=1800)

@@ -6,7 +6,7 @@ Random 2-layer Qwen3-MoE models of growing expert size and count, one engine bat
 model's own experts (``grouped_mm``) against :data:`~streamrl.engines.dense_experts.DENSE` with
 its CPU FLOP guard lifted; prints the FLOPs dense adds per layer per step (``rows (E - k) 6 H I``)
 next to both step times (medians of 3). The guard, ``DENSE_CPU_MAX_EXTRA_FLOP``, sits below the
-break-even this prints (session 11, 2 cores: dense faster up to 19 MFLOP, slower from 25).
+break-even this prints (on 2 cores dense is faster up to 19 MFLOP and slower from 25).
 """
 from __future__ import annotations
 

@@ -22,12 +22,12 @@ import time
 
 import torch
 
+from streamrl.bench.learner import make_batch, make_config, parse_args as bench_args
+from streamrl.bench.padded_reference import packed_gradients, padded_step
+from streamrl.learner.trainer import Trainer
+
 
 def main() -> int:
-    from streamrl.bench.learner import make_batch, make_config, parse_args as bench_args
-    from streamrl.learner.padded_reference import padded_step
-    from streamrl.learner.trainer import Trainer
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
@@ -59,7 +59,7 @@ def main() -> int:
             if name == "padded":
                 padded_step(tr, batch, optimizer_step=False)
             else:
-                tr.gradients(batch)
+                packed_gradients(tr, batch)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             row[name] = round(dt, 2)
             if r:

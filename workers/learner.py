@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 from streamrl.config import config_from_dict, load_config
 from streamrl.coord.coordinator import Coordinator
-from streamrl.learner.checkpoint import checkpoint_dir
-from streamrl.learner.checkpointer import Checkpointer, RunProgress
-from streamrl.learner.core_lending import BUSY, WAITING, make_core_lender, make_learner_phase
+from streamrl.core_lending import BUSY, WAITING, make_core_lender, make_learner_phase
+from streamrl.learner.checkpoint_manager import Checkpointer, RunProgress
 from streamrl.learner.distributed import broadcast_batch, broadcast_flag
 from streamrl.learner.intake import Intake
+from streamrl.learner.run_checkpoint import checkpoint_dir
 from streamrl.learner.trainer import Trainer
 from streamrl.learner.warmup import warm_up_pays
 from streamrl.metrics import RateLimitedRedisSink, run_sinks
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         lender.attach(trainer.model)
     intake = publisher = report = phase = None
     if rank == 0:
-        # lend this host's CPU workers the learner's cores while it waits for data (streamrl.core_borrowing)
+        # lend this host's CPU workers the learner's cores while it waits for data (streamrl.core_lending)
         phase = make_learner_phase(cfg, coord, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         intake, publisher = _bind(args, cfg, coord, log)
         report = Reporter(cfg, coord, intake, publisher)
@@ -82,13 +82,7 @@ def main(argv=None) -> int:
     status, clean = "completed", True
     try:
         while run.step < cfg.run.steps:
-            t_wait = time.perf_counter()
-            if phase is not None:
-                phase.set(WAITING)
-            batch = intake.next_batch(run.version) if rank == 0 else None
-            if phase is not None:
-                phase.set(BUSY)
-            idle = time.perf_counter() - t_wait
+            batch, idle = _wait_for_batch(intake, phase, run.version) if rank == 0 else (None, 0.0)
             if broadcast_flag(int(rank == 0 and batch is None)):
                 reason = coord.stop_reason()
                 # a stop on request (Ctrl-C, the launcher) is a clean exit: every rank exits 0, so
@@ -97,14 +91,7 @@ def main(argv=None) -> int:
                 break
             batch = broadcast_batch(batch)
             t_step = time.perf_counter()
-            if lender is not None:
-                lender.apply()
-            metrics = trainer.step(batch)
-            run.version += 1
-            run.step += 1
-            if lender is not None:
-                lender.apply()
-                metrics.update(lender.metrics())
+            metrics = _train_step(trainer, lender, batch, run)
             if run.step % cfg.learner.publish_interval == 0 or run.step == cfg.run.steps:
                 metrics.update(publish(trainer, publisher, run.version))
             if warmup_s:  # reported with the first step: busy time, not idle (streamrl.learner.warmup)
@@ -126,6 +113,31 @@ def main(argv=None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0 if clean else 1
+
+
+def _wait_for_batch(intake: Intake, phase, version: int) -> tuple:
+    """Rank 0: the next batch (None when the run stops or starves) and the seconds waited for
+    it, with the learner's phase ``waiting`` meanwhile (colocated workers borrow its cores)."""
+    t_wait = time.perf_counter()
+    if phase is not None:
+        phase.set(WAITING)
+    batch = intake.next_batch(version)
+    if phase is not None:
+        phase.set(BUSY)
+    return batch, time.perf_counter() - t_wait
+
+
+def _train_step(trainer: Trainer, lender, batch, run: RunProgress) -> dict[str, float]:
+    """One trainer step (with the idle workers' cores lent for it), counted in ``run``; its metrics."""
+    if lender is not None:
+        lender.apply()
+    metrics = trainer.step(batch)
+    run.version += 1
+    run.step += 1
+    if lender is not None:
+        lender.apply()
+        metrics.update(lender.metrics())
+    return metrics
 
 
 def _warm_up(trainer: Trainer, log) -> float:

@@ -33,7 +33,7 @@ from streamrl.config import Config, config_from_dict
 from streamrl.coord import liveness
 from streamrl.coord.coordinator import Coordinator
 from streamrl.coord.liveness import DeadlineExceeded
-from streamrl.core_borrowing import make_core_borrower
+from streamrl.core_lending import make_core_borrower
 from streamrl.engines.factory import build_engine
 from streamrl.engines.hf import HFEngine
 from streamrl.engines.parity import mismatch_metrics, probe_set
@@ -122,7 +122,7 @@ class RolloutWorker:
         self._last_poll = 0.0
         self._refused_since: float | None = None  # monotonic time admission was first refused in a row
         self.inflight_loads = 0
-        # decode with the colocated CPU learner's cores while it waits for data (streamrl.core_borrowing)
+        # decode with the colocated CPU learner's cores while it waits for data (streamrl.core_lending)
         self.borrower = make_core_borrower(cfg, self.coord)
 
     def _parity_reference(self, model, task) -> tuple[HFEngine | None, tuple | None]:

@@ -1,4 +1,22 @@
-"""Group-relative advantages (GRPO and Dr.GRPO)."""
+"""Group-relative advantages (GRPO and Dr.GRPO), per sequence and per token, and GAE.
+
+Why :func:`token_group_advantages` is group-relative reward-to-go (rather than the
+process-supervision GRPO of DeepSeekMath 4.1.3, which normalises every step reward by the
+mean/std of all step rewards of the group and sums them):
+
+* With the reward only on each response's last token, ``G[i, j] = R_i`` everywhere (with
+  the hold-last-value padding) so ``A[i, j]`` is *exactly* :func:`group_advantages` of
+  ``R``: the switch changes nothing for tasks without credit, and learning rate, clip and
+  std settings tuned for GRPO carry over. Process supervision needs a set of "steps" that
+  a per-token reward array cannot tell apart from zero-reward tokens.
+* The baseline depends on the position, not on the token sampled there, so the gradient
+  stays unbiased (up to GRPO's own leave-in mean); a position baseline removes the reward
+  already collected before ``j`` from the comparison. With one constant sequence-mean
+  baseline a correct last digit would still get a negative advantage whenever earlier
+  digits carried most of the group's reward: credit for late tokens would be drowned by
+  the early ones, the problem token credit is meant to solve.
+* Groups share a prompt, so their members' response positions line up token by token.
+"""
 from __future__ import annotations
 
 import torch
@@ -48,21 +66,7 @@ def token_group_advantages(token_rewards: torch.Tensor, response_positions: torc
     * ``A[i, j] = (G[i, j] - b[g, j]) / (s[g] + eps)``; 0 for a group whose sequence returns
       are all equal (as GRPO); ``normalize_std=False`` (Dr.GRPO) only centres.
 
-    Why this choice (over the process-supervision GRPO of DeepSeekMath 4.1.3, which normalises
-    every step reward by the mean/std of all step rewards of the group and sums them):
-
-    * With the reward only on each response's last token, ``G[i, j] = R_i`` everywhere (with
-      the hold-last-value padding) so ``A[i, j]`` is *exactly* :func:`group_advantages` of
-      ``R``: the switch changes nothing for tasks without credit, and learning rate, clip and
-      std settings tuned for GRPO carry over. Process supervision needs a set of "steps" that
-      a per-token reward array cannot tell apart from zero-reward tokens.
-    * The baseline depends on the position, not on the token sampled there, so the gradient
-      stays unbiased (up to GRPO's own leave-in mean); a position baseline removes the reward
-      already collected before ``j`` from the comparison. With one constant sequence-mean
-      baseline a correct last digit would still get a negative advantage whenever earlier
-      digits carried most of the group's reward: credit for late tokens would be drowned by
-      the early ones, the problem token credit is meant to solve.
-    * Groups share a prompt, so their members' response positions line up token by token.
+    Why this estimator: see the module docstring.
 
     Args:
         token_rewards: [B, T] reward of each token (0 off the response).
@@ -84,20 +88,12 @@ def token_group_advantages(token_rewards: torch.Tensor, response_positions: torc
         raise ValueError(f"token_rewards {tuple(token_rewards.shape)} and response_positions "
                          f"{tuple(response_positions.shape)} must be the same [B, T] shape")
     pos = response_positions.bool()
-    b, t = pos.shape
+    b = pos.shape[0]
     lens = pos.sum(1)
     if (lens < 1).any():
         raise ValueError("every row needs at least one response position")
-    start = pos.int().argmax(1)  # first True of each row
-    width = int(lens.max())
-    j = torch.arange(width)
-    valid = j[None, :] < lens[:, None]  # [B, W] response-aligned
-    idx = (start[:, None] + j[None, :]).clamp(max=t - 1)
-    r = token_rewards.gather(1, idx) * valid
-    # Reward-to-go: reverse cumulative sum; past the end hold the last token's value.
-    g = r.flip(1).cumsum(1).flip(1)
-    last = g.gather(1, (lens - 1)[:, None])
-    g = torch.where(valid, g, last)
+    g, idx, valid = _aligned_return_to_go(token_rewards, pos, lens)
+    width = g.shape[1]
     _, inverse = torch.unique(group_id, return_inverse=True)
     n_groups = int(inverse.max()) + 1
     dtype = g.dtype
@@ -115,6 +111,28 @@ def token_group_advantages(token_rewards: torch.Tensor, response_positions: torc
     # Scatter back onto the grid; padded columns point at clamped indices and carry 0.
     out.scatter_add_(1, idx, adv * valid)
     return out
+
+
+def _aligned_return_to_go(token_rewards: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return-to-go of each response aligned at its first token.
+
+    Args:
+        token_rewards: [B, T]; pos: [B, T] bool response positions (one run per row); lens: [B] run lengths.
+    Returns:
+        (G [B, W] holding its last value past each response's end, the grid column of each
+        aligned position [B, W] (clamped), valid [B, W] bool), W = the longest response.
+    """
+    t = pos.shape[1]
+    start = pos.int().argmax(1)  # first True of each row
+    j = torch.arange(int(lens.max()))
+    valid = j[None, :] < lens[:, None]  # [B, W] response-aligned
+    idx = (start[:, None] + j[None, :]).clamp(max=t - 1)
+    r = token_rewards.gather(1, idx) * valid
+    # Reward-to-go: reverse cumulative sum; past the end hold the last token's value.
+    g = r.flip(1).cumsum(1).flip(1)
+    last = g.gather(1, (lens - 1)[:, None])
+    return torch.where(valid, g, last), idx, valid
 
 
 def gae_advantages(values: torch.Tensor, reward: torch.Tensor, response_lens: torch.Tensor, gamma: float,

@@ -17,6 +17,8 @@ matrices are reduced by :func:`aggregate`; the V-trace estimator lives in
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -143,36 +145,39 @@ def importance_weights(
     return w, raw
 
 
-def ppo_clip_tis_loss(
-    logp: torch.Tensor,
-    prox_logp: torch.Tensor,
-    behav_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    tis_cap: float | None = 2.0,
-    denom: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip (with clip-higher) on the proximal ratio, times a truncated IS weight.
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """PPO-clip and off-policy-correction settings of :func:`policy_loss`.
 
-    Kept for callers of the walking skeleton; :func:`policy_loss` is the general form.
-
-    Args:
-        logp, prox_logp, behav_logp: [B, T] log-probabilities (see module docstring).
-        advantages: [B] per-trajectory (broadcast over tokens) or [B, T] per-token.
-        mask: [B, T] 1.0 on tokens that take part in the loss.
-        tis_cap: truncation C of ``pi_prox / mu``; None disables the correction.
-        denom: token count the sum is divided by (global across ranks for token-mean).
-
-    Returns:
-        (loss, stats) with stats ``clip_frac``, ``is_weight_mean``, ``is_truncated_frac``.
+    ``clip_low``/``clip_high``: the ratio's clip range (clip-higher, DAPO); ``dual_clip``: the
+    cap ``c > 1`` of a negative advantage's loss, or None; ``is_mode``/``is_cap``/``is_low``:
+    the correction of ``pi_prox / mu`` (:func:`importance_weights`); ``coupled``: standard PPO
+    that ignores staleness (the ratio taken against the behaviour policy, no extra weight).
     """
-    return policy_loss(
-        logp, prox_logp, behav_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-        is_mode="token-tis" if tis_cap is not None else "none", is_cap=tis_cap or 1.0,
-        num_tokens=denom,
-    )
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = None
+    is_mode: str = "token-tis"
+    is_cap: float = 2.0
+    is_low: float = 0.0
+    coupled: bool = False
+
+
+@dataclass(frozen=True)
+class Normalizers:
+    """How a per-token loss becomes a scalar (the arguments of :func:`aggregate`): the mode
+    (``learner.agg``) and the global counts it divides by (over all data-parallel ranks,
+    divided by their number), None for this batch's own counts."""
+
+    agg: str = "token-mean"
+    num_tokens: float | None = None
+    num_seqs: float | None = None
+    norm_len: float | None = None
+
+    def reduce(self, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """:func:`aggregate` of ``loss_mat`` [B, T] under ``mask`` [B, T] with these counts."""
+        return aggregate(loss_mat, mask, self.agg, self.num_tokens, self.num_seqs, self.norm_len)
 
 
 def policy_loss(
@@ -181,18 +186,8 @@ def policy_loss(
     behav_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    dual_clip: float | None = None,
-    is_mode: str = "token-tis",
-    is_cap: float = 2.0,
-    is_low: float = 0.0,
-    coupled: bool = False,
-    agg: str = "token-mean",
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    norm_len: float | None = None,
+    spec: PolicyLossSpec = PolicyLossSpec(),
+    norm: Normalizers = Normalizers(),
     tensor_stats: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip against the proximal policy, weighted by an off-policy correction, aggregated.
@@ -200,28 +195,28 @@ def policy_loss(
     ``tensor_stats``: the stats as 0-dim device tensors, computed without waiting for the
     device (the learner's loop reads them once per step), instead of floats.
 
-    ``coupled=True`` is standard PPO that ignores staleness: the ratio is taken against the
-    behaviour policy ``pi_theta / mu`` and no extra weight is applied.
-
     Args:
         logp, prox_logp, behav_logp: [B, T]; advantages: [B] or [B, T]; mask: [B, T].
+        spec: the clip and correction settings; norm: the reduction and its global counts.
     Returns:
         (loss scalar, stats: ``clip_frac``, ``is_weight_mean``, ``is_truncated_frac``).
     """
     mask = mask.to(logp.dtype)
-    old = behav_logp if coupled else prox_logp
-    tok_loss, ratio, clipped = ppo_clip_token_loss(logp, old, advantages, clip_low, clip_high, dual_clip)
-    w, raw = importance_weights(prox_logp, behav_logp, mask, "none" if coupled else is_mode, is_cap, is_low)
-    loss = aggregate(tok_loss * w, mask, agg, num_tokens, num_seqs, norm_len)
+    old = behav_logp if spec.coupled else prox_logp
+    tok_loss, ratio, clipped = ppo_clip_token_loss(logp, old, advantages, spec.clip_low, spec.clip_high,
+                                                   spec.dual_clip)
+    w, raw = importance_weights(prox_logp, behav_logp, mask, "none" if spec.coupled else spec.is_mode,
+                                spec.is_cap, spec.is_low)
+    loss = norm.reduce(tok_loss * w, mask)
     if tensor_stats:
-        return loss, masked_stats(clipped, raw, mask, is_cap if is_mode != "none" else None)
+        return loss, masked_stats(clipped, raw, mask, spec.is_cap if spec.is_mode != "none" else None)
     with torch.no_grad():
         m = mask.bool()
         n = max(int(m.sum()), 1)
         stats = {
             "clip_frac": float(clipped[m].sum()) / n,
             "is_weight_mean": float(raw[m].mean()) if m.any() else 1.0,
-            "is_truncated_frac": float((raw[m] > is_cap).sum()) / n if is_mode != "none" else 0.0,
+            "is_truncated_frac": float((raw[m] > spec.is_cap).sum()) / n if spec.is_mode != "none" else 0.0,
         }
     return loss, stats
 

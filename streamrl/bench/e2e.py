@@ -136,7 +136,7 @@ def median_figures(runs: list[dict]) -> dict:
 
 
 def plot(runs: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (only --plot pays for matplotlib)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

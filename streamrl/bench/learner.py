@@ -3,7 +3,7 @@
 Same model, same batch, side by side; each implementation runs in its own subprocess so its
 peak resident memory (``ru_maxrss``) is its own:
 
-* ``padded``: the step as it was (:mod:`streamrl.learner.padded_reference`): rows padded to
+* ``padded``: the reference step (:mod:`streamrl.bench.padded_reference`): rows padded to
   the longest, ``log_softmax`` in fp32 over ``[B, T, V]`` at every position;
 * ``packed``: token-budget micro-batches of packed sequences, log-probs only at response
   positions in chunks (:meth:`Trainer.step`);
@@ -14,7 +14,7 @@ By default ``padded`` and ``shared`` run (``--impl all`` adds ``packed``); the h
 ``speedup_vs_padded`` / ``peak_mem_ratio_vs_padded`` / diffs are the ``shared`` step's, the
 learner's default, and ``packed_*`` the plain packed step's.
 
-Default shape (the issue's CPU case): SmolLM2-135M dense (``models/smol``), 8 groups x 8
+Default shape (the CPU case): SmolLM2-135M dense (``models/smol``), 8 groups x 8
 samples, chat-template arithmetic prompts, responses of 24 tokens, fp32, 2 threads. The
 responses are fixed pseudo-random tokens (the step's cost does not depend on what they say).
 
@@ -49,6 +49,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from streamrl.bench import learner_step
+from streamrl.bench.learner_step import profile_breakdown
+from streamrl.bench.padded_reference import packed_gradients, padded_forward, padded_step
+from streamrl.config import load_config
+from streamrl.learner.attention import parse_flex_options, set_flex_kernel_options
+from streamrl.learner.logprobs import token_logprobs
+from streamrl.learner.packing import response_grid
+from streamrl.learner.trainer import Trainer
+from streamrl.models.tokenizer import build_char_tokenizer
+from streamrl.tasks.arithmetic import Arithmetic
+from streamrl.rollout.prompts import PromptEncoder
+from streamrl.trajectory import pack_trajectories, to_padded
 
 IMPLS = ("padded", "packed", "shared")
 
@@ -89,8 +105,6 @@ def parse_args(argv=None):
 
 
 def make_config(args, impl: str):
-    from streamrl.config import load_config
-
     repo = Path(__file__).resolve().parents[2]
     return load_config(str(repo / "configs" / "tiny.yaml"), [
         f"model.path={args.model}", f"model.dtype={args.dtype}", f"learner.device={args.device}",
@@ -114,12 +128,6 @@ def make_config(args, impl: str):
 
 def make_batch(tok, args):
     """``groups x group_size`` trajectories: chat-template arithmetic prompts, fixed responses."""
-    from streamrl.tasks.arithmetic import Arithmetic
-    from streamrl.trajectory import pack_trajectories
-    from streamrl.rollout.prompts import PromptEncoder
-
-    import torch
-
     rng = random.Random(0)
     encode = PromptEncoder(tok, chat_template=True)
     task = Arithmetic(num_digits=2)
@@ -139,14 +147,6 @@ def make_batch(tok, args):
 
 def run_child(args) -> int:
     """One implementation: warm-up gradient pass (saved for comparison), log-probs, timed steps."""
-    import torch
-    from safetensors.torch import load_file, save_file
-    from streamrl.learner.attention import parse_flex_options, set_flex_kernel_options
-    from streamrl.learner.packing import response_grid
-    from streamrl.learner.padded_reference import padded_step
-    from streamrl.learner.trainer import Trainer
-    from streamrl.trajectory import to_padded
-
     torch.set_num_threads(args.threads)
     set_flex_kernel_options(parse_flex_options(args.flex_options))  # before the first compiled forward
     impl, work = args.child, Path(args.workdir)
@@ -158,10 +158,48 @@ def run_child(args) -> int:
     if impl == "padded":
         padded_step(tr, batch, optimizer_step=False)
     else:
-        tr.gradients(batch)
-    # Tensor by tensor (no second copy of the gradients in this process's peak memory): the
-    # padded child writes the reference, the others compare against it.
-    ref = work / "padded"
+        packed_gradients(tr, batch)
+    diffs = _compare_with_padded(tr, logp, impl, work / "padded")
+    tr.optim.zero_grad(set_to_none=True)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    step = (lambda: padded_step(tr, batch)) if impl == "padded" else (lambda: tr.step(batch))
+    sync()
+    t0 = time.perf_counter()
+    m = {}
+    for _ in range(args.steps):
+        m = step()
+        if m and m.get("learner/skipped_no_signal"):
+            raise RuntimeError("the timed step was skipped (no signal): the figures would time nothing")
+    sync()
+    step_s = (time.perf_counter() - t0) / args.steps
+    pad = to_padded(batch, tr.pad_id)
+    res = {"impl": impl, "step_s": step_s, "tokens_per_s": float(pad["attention_mask"].sum()) / step_s,
+           "trajectories": int(pad["input_ids"].shape[0]), "padded_shape": list(pad["input_ids"].shape),
+           "trained_tokens": float(response_grid(batch, "response_mask").sum()),
+           "peak_rss_GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if impl != "padded":
+        res.update(diffs)
+        res["dropped_zero_adv_frac"] = m.get("learner/dropped_zero_adv_frac", 0.0)
+    if args.device.startswith("cuda"):
+        res["peak_cuda_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    if args.synthetic_moe:
+        res.update(_flops(args, tr, float(pad["attention_mask"].sum()) / step_s))
+    res.update({"attention": tr.attention, "drop_zero_advantage": tr.cfg.learner.drop_zero_advantage,
+                "flex_options": args.flex_options, "logprob_chunk_tokens": tr.cfg.learner.logprob_chunk_tokens})
+    res.update(_host_prepare_times(tr, batch, sync))
+    if args.profile:
+        out = Path(args.profile_out)
+        out = str(out if impl == "packed" else out.with_name(f"{impl}_{out.name}"))
+        res["profile"] = profile_breakdown(step, args.profile, tr.device, sync, table_path=out, top=25)
+        res["profile_table"] = out
+    (work / f"{impl}.json").write_text(json.dumps(res))
+    return 0
+
+
+def _compare_with_padded(tr, logp: torch.Tensor, impl: str, ref: Path) -> dict[str, float]:
+    """The padded child writes its log-probs and gradients under ``ref``; the others compare
+    theirs against them (max abs diffs). Tensor by tensor: no second copy of the gradients in
+    this process's peak memory."""
     diffs = {"max_abs_logprob_diff": 0.0, "max_abs_grad_diff": 0.0, "max_abs_grad": 0.0}
     if impl == "padded":
         ref.mkdir(exist_ok=True)
@@ -179,74 +217,33 @@ def run_child(args) -> int:
             diffs["max_abs_grad_diff"] = max(diffs["max_abs_grad_diff"], float((r - g).abs().max()))
             diffs["max_abs_grad"] = max(diffs["max_abs_grad"], float(r.abs().max()))
         del g
-    tr.optim.zero_grad(set_to_none=True)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    m = {}
-    for _ in range(args.steps):
-        m = padded_step(tr, batch) if impl == "padded" else tr.step(batch)
-        if m and m.get("learner/skipped_no_signal"):
-            raise RuntimeError("the timed step was skipped (no signal): the figures would time nothing")
-    sync()
-    step_s = (time.perf_counter() - t0) / args.steps
-    pad = to_padded(batch, tr.pad_id)
-    res = {"impl": impl, "step_s": step_s, "tokens_per_s": float(pad["attention_mask"].sum()) / step_s,
-           "trajectories": int(pad["input_ids"].shape[0]), "padded_shape": list(pad["input_ids"].shape),
-           "trained_tokens": float(response_grid(batch, "response_mask").sum()),
-           "peak_rss_GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if impl != "padded":
-        res.update(diffs)
-        res["dropped_zero_adv_frac"] = m.get("learner/dropped_zero_adv_frac", 0.0)
-    if args.device.startswith("cuda"):
-        res["peak_cuda_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-    if args.synthetic_moe:
-        res.update(_flops(args, tr, float(pad["attention_mask"].sum()) / step_s))
-    res["attention"] = tr.attention
-    res["drop_zero_advantage"] = tr.cfg.learner.drop_zero_advantage
-    res["flex_options"] = args.flex_options
-    res["logprob_chunk_tokens"] = tr.cfg.learner.logprob_chunk_tokens
-    # The host part of the step (grid, advantages, packing, H2D copies, block masks):
-    # ``prepare_s`` all of it for the step's micro-batches, ``first_kernel_s`` what precedes its
-    # first kernel (the grid, the advantages and micro-batch 0; the trainer builds each later
-    # one while the device runs the one before): on the GPU that part is in the wall-vs-device gap
+    return diffs
+
+
+def _host_prepare_times(tr, batch, sync) -> dict[str, float]:
+    """The host part of the step (grid, advantages, packing, H2D copies, block masks):
+    ``prepare_s`` all of it for the step's micro-batches, ``first_kernel_s`` what precedes its
+    first kernel (the grid, the advantages and micro-batch 0; the trainer builds each later
+    one while the device runs the one before): on the GPU that part is in the wall-vs-device gap."""
     sync()
     t1 = time.perf_counter()
     micro = tr._prepare(batch)[3][0][0]
     micro.prefetch(0)
     sync()
-    res["first_kernel_s"] = time.perf_counter() - t1
+    first = time.perf_counter() - t1
     for i in range(1, len(micro)):
         micro.prefetch(i)
     sync()
-    res["prepare_s"] = time.perf_counter() - t1
-    res["microbatches_per_step"] = len(micro)
-    if args.profile:
-        from streamrl.bench.learner_step import profile_breakdown
-
-        step = (lambda: padded_step(tr, batch)) if impl == "padded" else (lambda: tr.step(batch))
-        out = Path(args.profile_out)
-        out = str(out if impl == "packed" else out.with_name(f"{impl}_{out.name}"))
-        res["profile"] = profile_breakdown(step, args.profile, tr.device, sync, table_path=out, top=25)
-        res["profile_table"] = out
-    (work / f"{impl}.json").write_text(json.dumps(res))
-    return 0
+    return {"first_kernel_s": first, "prepare_s": time.perf_counter() - t1, "microbatches_per_step": len(micro)}
 
 
 def _moe_args(args):
     """The 1.31 B MoE shape of :mod:`streamrl.bench.learner_step` (its defaults)."""
-    from streamrl.bench import learner_step
-
     return learner_step.parse_args(["--seq", str(args.prompt_len + args.response_len)])
 
 
 def make_synthetic_model(args, folder: Path) -> None:
     """Save the learner_step MoE (random, ``--dtype``) with a character tokenizer as an HF folder."""
-    import torch
-
-    from streamrl.bench import learner_step
-    from streamrl.models.tokenizer import build_char_tokenizer
-
     shape = _moe_args(args)
     shape.seq = max(shape.seq, 32768)  # max_position_embeddings of the saved config
     model, _ = learner_step.build(shape, torch.device("cpu"))
@@ -256,8 +253,6 @@ def make_synthetic_model(args, folder: Path) -> None:
 
 def _flops(args, tr, tokens_per_s: float) -> dict[str, float]:
     """Achieved model TFLOP/s (learner_step's count: 6 x active matmul params + causal attention)."""
-    from streamrl.bench import learner_step
-
     total = sum(p.numel() for p in tr.model.parameters())
     _, active, per_tok = learner_step.count_flops(_moe_args(args), total)
     tflops = per_tok * tokens_per_s / 1e12
@@ -266,16 +261,11 @@ def _flops(args, tr, tokens_per_s: float) -> dict[str, float]:
 
 def _logprobs(tr, batch, impl: str):
     """Response-grid log-probs [B, R] of the current weights, by ``impl``'s own path."""
-    import torch
-
-    from streamrl.learner.logprobs import token_logprobs
-    from streamrl.trajectory import to_padded
-
     p_lens, r_lens = batch["prompt_lens"].tolist(), batch["response_lens"].tolist()
     with torch.no_grad():
         if impl == "padded":
             pad = to_padded(batch, tr.pad_id)
-            logits, _ = tr._forward(tr.model, pad["input_ids"].to(tr.device), pad["attention_mask"].to(tr.device))
+            logits, _ = padded_forward(tr, tr.model, pad["input_ids"].to(tr.device), pad["attention_mask"].to(tr.device))
             full = token_logprobs(logits, pad["input_ids"].to(tr.device), tr.cfg.rollout.temperature).cpu()
             del logits
             out = torch.zeros(len(p_lens), max(r_lens))
@@ -305,8 +295,6 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        from streamrl.learner.attention import parse_flex_options
-
         parse_flex_options(args.flex_options)
     except ValueError as e:
         print(f"streamrl-bench learner: --flex-options: {e}", file=sys.stderr)

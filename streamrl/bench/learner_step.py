@@ -24,7 +24,16 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from streamrl.algorithms.losses import policy_loss
+from streamrl.algorithms.moe_losses import load_balancing_loss
+from streamrl.parallel.expert_parallel import compile_decoder_layers, parallelize
+from streamrl.parallel.mesh import build_mesh
 
 
 def parse_args(argv=None):
@@ -55,8 +64,6 @@ def parse_args(argv=None):
 
 
 def build(args, device):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     cfg = Qwen3MoeConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.moe_inter,
         moe_intermediate_size=args.moe_inter, num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -103,15 +110,11 @@ def profile_breakdown(step, n: int, device, sync, table_path: str = "", top: int
     ``table_path``: also write torch.profiler's table of the ``top`` entries by self device
     time (CPU time on CPU) there.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(n):
             step()
         sync()
-    from torch.autograd import DeviceType
-
     rows = []
     for e in prof.key_averages():
         if device.type == "cuda":
@@ -137,35 +140,20 @@ def profile_breakdown(step, n: int, device, sync, table_path: str = "", top: int
             "top_kernels_ms": [[k[:90], round(v, 3)] for k, v in top]}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import torch.distributed as dist
-
+def _init(args) -> tuple[int, int, torch.device]:
+    """(world, rank, device) of this process; a process group when launched by torchrun."""
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    from streamrl.algorithms.losses import policy_loss
-    from streamrl.algorithms.moe_losses import load_balancing_loss
-    from streamrl.parallel.expert_parallel import parallelize
-    from streamrl.parallel.mesh import build_mesh
+    if args.device != "cuda":
+        return world, rank, torch.device("cpu")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return world, rank, torch.device("cuda", torch.cuda.current_device())
 
-    model, cfg = build(args, device)
-    total = sum(p.numel() for p in model.parameters())
-    blocks = []
-    if args.impl.startswith("hf_"):
-        if world > 1:
-            raise SystemExit("--impl hf_* runs on one GPU only")
-        model.to(device)
-    else:
-        mesh = build_mesh(args.ep, device.type, args.experts)
-        blocks = parallelize(model, mesh, device, args.impl, mixed_precision=False)
-    model.train()
+
+def _make_step(args, model, blocks, device: torch.device, rank: int):
+    """One training step on a fixed random batch (policy loss + load balancing, AdamW) as a closure."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     g = torch.Generator(device="cpu").manual_seed(rank)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
@@ -177,16 +165,32 @@ def main(argv=None) -> int:
     def step():
         out = model(input_ids=ids, attention_mask=attn, use_cache=False)
         lp = F.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss, _ = policy_loss(lp, lp.detach(), behav, adv, mask, is_mode="token-tis")
+        loss, _ = policy_loss(lp, lp.detach(), behav, adv, mask)
         if blocks:
             loss = loss + 0.01 * load_balancing_loss([b.last_router_logits for b in blocks], args.experts, args.topk)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
-    if args.compile:
-        from streamrl.parallel.expert_parallel import compile_decoder_layers
+    return step
 
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world, rank, device = _init(args)
+    model, cfg = build(args, device)
+    total = sum(p.numel() for p in model.parameters())
+    blocks = []
+    if args.impl.startswith("hf_"):
+        if world > 1:
+            raise SystemExit("--impl hf_* runs on one GPU only")
+        model.to(device)
+    else:
+        blocks = parallelize(model, build_mesh(args.ep, device.type, args.experts), device, args.impl,
+                             mixed_precision=False)
+    model.train()
+    step = _make_step(args, model, blocks, device, rank)
+    if args.compile:
         compile_decoder_layers(model)  # after parallelize: FSDP wraps the module, forward is swapped
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(args.warmup):

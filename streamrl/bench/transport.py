@@ -36,10 +36,12 @@ import sys
 import tempfile
 import time
 
+import redis
 import torch
 import zmq
 from tensordict import TensorDict
 
+from streamrl.launcher.redis_server import RedisServer
 from streamrl.trajectory import make_id, pack_trajectories
 from streamrl.transport.receiver import TrajectoryReceiver
 from streamrl.transport.sender import TrajectorySender
@@ -147,8 +149,6 @@ def _sender_main(conn) -> None:
                     push.send(pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
             push.close()
         elif cmd["method"] == "redis_json":
-            import redis
-
             client = redis.Redis.from_url(target)
             stream = cmd["stream"]
             for _ in range(k):
@@ -305,9 +305,6 @@ def run(sizes: list[int], rounds: int, zmq_bytes: int, redis_bytes: int, hwm: in
     server = client = None
     tmp = tempfile.TemporaryDirectory(prefix="streamrl-bench-")
     if use_redis:
-        import redis
-
-        from streamrl.launcher.redis_server import RedisServer
         server = RedisServer(tmp.name).start()
         client = redis.Redis.from_url(server.url, socket_timeout=60)
     batches = {s: make_batch(s) for s in sizes}  # same deterministic batches as the sender's

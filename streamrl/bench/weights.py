@@ -31,12 +31,19 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 
 import torch
+import zmq
+
+from streamrl.coord.coordinator import Coordinator
+from streamrl.launcher.redis_server import RedisServer
+from streamrl.weights.publisher import WeightPublisher
+from streamrl.weights.subscriber import WeightSubscriber
 
 MB = 1 << 20
 KEEP = 2  # store versions the publisher keeps
@@ -124,8 +131,6 @@ def pinned_copy_s(nbytes: int, device: str, reps: int = 3) -> tuple[float, float
 
 def raw_zmq_s(nbytes: int, msg_bytes: int, reps: int = 2) -> float:
     """Best time to push ``nbytes`` in ``msg_bytes`` messages to a subprocess and hear back."""
-    import zmq
-
     ctx = zmq.Context(io_threads=2)
     push = ctx.socket(zmq.PUSH)
     port = push.bind_to_random_port("tcp://127.0.0.1")
@@ -157,8 +162,6 @@ def raw_zmq_s(nbytes: int, msg_bytes: int, reps: int = 2) -> float:
 
 
 def _raw_sink(arg: str) -> int:
-    import zmq
-
     port, dport, count, rounds = map(int, arg.split(","))
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -191,9 +194,6 @@ class DictEngine:
 
 
 def _subscriber(args) -> int:
-    from streamrl.coord.coordinator import Coordinator
-    from streamrl.weights.subscriber import WeightSubscriber
-
     torch.set_num_threads(args.sub_threads)
     coord = Coordinator(args.redis_url, args.run)
     sub = WeightSubscriber(coord, plane=args.plane, streams=args.streams, device=args.device,
@@ -213,74 +213,41 @@ def _subscriber(args) -> int:
 
 
 def run_plane(plane: str, sizes_mb: list[int], subs: list[int], args, redis_url: str) -> list[dict]:
-    from streamrl.coord.coordinator import Coordinator
-    from streamrl.weights.publisher import WeightPublisher
-
+    """The best-of-``--repeat`` row of every (size, subscriber count) on one data plane."""
     run = f"bench-{uuid.uuid4().hex[:8]}"
     coord = Coordinator(redis_url, run)
     active_key = coord.keys._k("bench", "active")
     coord.r.set(active_key, 0)
     pub = WeightPublisher(coord, run, plane="auto", bucket_bytes=args.bucket_mb * MB, keep=KEEP,
                           checksum=args.checksum, pin_store=args.pin == "on")
-    n_max = max(subs)
     procs = [subprocess.Popen([sys.executable, "-m", "streamrl.bench.weights", "--subscriber",
                                "--redis-url", redis_url, "--run", run, "--worker-id", str(w),
                                "--plane", plane, "--streams", str(args.streams), "--device", args.sub_device,
                                "--pin", args.pin, "--sub-threads", str(args.sub_threads)])
-             for w in range(1, n_max + 1)]
+             for w in range(1, max(subs) + 1)]
     rows, version = [], 0
     try:
         for size in sizes_mb:
             nbytes = size * MB
             specs, shards = make_model(nbytes, min(args.tensor_mb * MB, nbytes), args.device)
-            base_memcpy = memcpy_s(nbytes, args.device)
-            base_zmq = raw_zmq_s(nbytes, args.bucket_mb * MB) if plane == "zmq" else None
-            pinned = pinned_copy_s(nbytes, args.device) if args.device.startswith("cuda") else None
+            base = _baselines(plane, nbytes, args)
             subs_run = [n for n in subs if _mem_estimate(plane, nbytes, n) <= args.max_mem_gb * (1 << 30)]
             for n in subs:
                 if n not in subs_run:
                     print(f"# skip {plane} {size} MB x{n}: over --max-mem-gb", file=sys.stderr)
                     continue
                 coord.r.set(active_key, n)
-                workers = list(range(1, n + 1))
-                best = None
                 # Warm-up: the first round allocates engines; the first row of a size also
                 # publishes until the store recycles its files (keep + 1 versions), so timed
                 # rounds see the steady state of a run (pages allocated, mapped, page-locked).
                 warm = KEEP + 1 if n == subs_run[0] else 1
+                best = None
                 for rep in range(args.repeat + warm):
-                    sampler = PeakSampler()
-                    t0 = time.perf_counter()
-                    pt = pub.publish(version, specs, gather(shards))
-                    if not coord.wait_acks(version, workers, timeout_s=300, poll_s=0.001):
-                        raise TimeoutError(f"{plane}: subscribers did not ack v{version}")
-                    e2e = time.perf_counter() - t0
-                    peak = sampler.stop()
-                    st = [coord.weight_timings(w) for w in workers]
+                    e2e, pt, peak, st = _publish_round(pub, coord, version, specs, shards, n, plane)
                     version += 1
-                    if rep < warm:
-                        continue
-                    row = {
-                        "plane": plane, "size_mb": size, "subscribers": n, "e2e_s": e2e,
-                        "gbps": nbytes / e2e / 1e9,
-                        "publish_s": pt["weights/publish_s"],  # what the learner waits for
-                        "gather_s": pt["weights/gather_s"], "write_s": pt["weights/write_s"],
-                        "transfer_s": max(s.get("weights/transfer_s", 0) for s in st),
-                        "verify_s": max(s.get("weights/verify_s", 0) for s in st),
-                        "load_s": max(s.get("weights/load_s", 0) for s in st),
-                        "peak_extra_mb": peak / MB, "peak_extra_over_bucket": peak / (args.bucket_mb * MB),
-                        "memcpy_gbps": nbytes / base_memcpy / 1e9,
-                        "ratio_vs_memcpy": base_memcpy / e2e,
-                    }
-                    if pinned is not None:  # GPU learner: D2H + host plane + H2D vs the bare pinned copies
-                        row["pinned_d2h_gbps"] = nbytes / pinned[0] / 1e9
-                        row["pinned_h2d_gbps"] = nbytes / pinned[1] / 1e9
-                        row["ratio_vs_pinned_d2h_h2d"] = (pinned[0] + pinned[1]) / e2e
-                    if base_zmq is not None:
-                        row["raw_zmq_gbps"] = nbytes / base_zmq / 1e9
-                        row["ratio_vs_raw_zmq"] = base_zmq / e2e
-                    if best is None or row["e2e_s"] < best["e2e_s"]:
-                        best = row
+                    if rep >= warm:
+                        row = _row(plane, size, n, e2e, pt, peak, st, base, args.bucket_mb * MB)
+                        best = row if best is None or row["e2e_s"] < best["e2e_s"] else best
                 rows.append(best)
                 _print_row(best)
             del shards
@@ -294,6 +261,53 @@ def run_plane(plane: str, sizes_mb: list[int], subs: list[int], args, redis_url:
         pub.close()
         coord.close()
     return rows
+
+
+def _baselines(plane: str, nbytes: int, args) -> dict:
+    """Seconds of the bare copies a row is compared with, on the same bytes: ``memcpy``,
+    ``raw_zmq`` (zmq plane only, else None), ``pinned`` (GPU learner: (D2H, H2D), else None)."""
+    return {"memcpy": memcpy_s(nbytes, args.device),
+            "raw_zmq": raw_zmq_s(nbytes, args.bucket_mb * MB) if plane == "zmq" else None,
+            "pinned": pinned_copy_s(nbytes, args.device) if args.device.startswith("cuda") else None}
+
+
+def _publish_round(pub, coord, version: int, specs, shards, n: int, plane: str) -> tuple[float, dict, int, list]:
+    """Publish ``version`` and wait for subscribers 1..n: (end-to-end seconds, publisher
+    timings, peak extra publisher bytes, each subscriber's timings)."""
+    workers = list(range(1, n + 1))
+    sampler = PeakSampler()
+    t0 = time.perf_counter()
+    pt = pub.publish(version, specs, gather(shards))
+    if not coord.wait_acks(version, workers, timeout_s=300, poll_s=0.001):
+        raise TimeoutError(f"{plane}: subscribers did not ack v{version}")
+    e2e = time.perf_counter() - t0
+    peak = sampler.stop()
+    return e2e, pt, peak, [coord.weight_timings(w) for w in workers]
+
+
+def _row(plane: str, size: int, n: int, e2e: float, pt: dict, peak: int, st: list[dict], base: dict,
+         bucket_bytes: int) -> dict:
+    """One result row: end-to-end figures, the slowest subscriber's split, ratios to the baselines."""
+    nbytes = size * MB
+    row = {
+        "plane": plane, "size_mb": size, "subscribers": n, "e2e_s": e2e,
+        "gbps": nbytes / e2e / 1e9,
+        "publish_s": pt["weights/publish_s"],  # what the learner waits for
+        "gather_s": pt["weights/gather_s"], "write_s": pt["weights/write_s"],
+        "transfer_s": max(s.get("weights/transfer_s", 0) for s in st),
+        "verify_s": max(s.get("weights/verify_s", 0) for s in st),
+        "load_s": max(s.get("weights/load_s", 0) for s in st),
+        "peak_extra_mb": peak / MB, "peak_extra_over_bucket": peak / bucket_bytes,
+        "memcpy_gbps": nbytes / base["memcpy"] / 1e9,
+        "ratio_vs_memcpy": base["memcpy"] / e2e,
+    }
+    if base["pinned"] is not None:  # GPU learner: D2H + host plane + H2D vs the bare pinned copies
+        d2h, h2d = base["pinned"]
+        row.update(pinned_d2h_gbps=nbytes / d2h / 1e9, pinned_h2d_gbps=nbytes / h2d / 1e9,
+                   ratio_vs_pinned_d2h_h2d=(d2h + h2d) / e2e)
+    if base["raw_zmq"] is not None:
+        row.update(raw_zmq_gbps=nbytes / base["raw_zmq"] / 1e9, ratio_vs_raw_zmq=base["raw_zmq"] / e2e)
+    return row
 
 
 def _mem_estimate(plane: str, nbytes: int, n: int) -> int:
@@ -365,10 +379,6 @@ def main(argv=None) -> int:
     server = None
     url = args.redis_url
     if url is None:
-        import tempfile
-
-        from streamrl.launcher.redis_server import RedisServer
-
         server = RedisServer(Path(tempfile.mkdtemp(prefix="streamrl-bench-redis-"))).start()
         url = server.url
     rows = []

@@ -23,6 +23,10 @@ import functools
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 PACKED_ATTENTION = "streamrl_packed"
 """Name under which :func:`packed_attention_forward` is registered with transformers."""
@@ -80,8 +84,6 @@ def set_flex_kernel_options(options: dict[str, int | bool]) -> None:
 @functools.cache
 def _compiled_flex():
     """FlexAttention compiled once per process (the fused kernel; eager runs the dense math)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention)
 
 
@@ -89,9 +91,6 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """transformers attention function: query [B, Hq, N, D], key/value [B, Hkv, N, D] ->
     ([B, N, Hq, D], None). FlexAttention for a ``BlockMask``, sdpa for anything else."""
-    from torch.nn.attention.flex_attention import BlockMask
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if not isinstance(attention_mask, BlockMask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -106,8 +105,6 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 
 
 def _eager_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
     return flex_attention
 
 
@@ -116,9 +113,6 @@ def register_attention(name: str, forward, mask_builder=None) -> str:
     """Register ``forward`` as attention ``name`` with transformers, with ``mask_builder`` (default:
     sdpa's, which the padded path needs: evaluation, the padded reference) as the mask function
     transformers calls before the forward; idempotent. Returns the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
     AttentionInterface.register(name, forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask_builder or sdpa_mask)
     return name
@@ -150,8 +144,6 @@ def packed_block_mask(segment_ids: torch.Tensor, unit_ids: torch.Tensor, block_s
     Returns:
         a ``BlockMask`` of shape [1, 1, N, N] on the ids' device.
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     n = int(segment_ids.shape[0])
     tiles = -(-n // block_size)
     pad = tiles * block_size - n

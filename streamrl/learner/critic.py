@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from streamrl.algorithms.vtrace import vtrace, vtrace_losses
+from streamrl.config import LearnerConfig
+from streamrl.learner.packing import ResponseGrid
 
 VALUE_HEAD_ATTR = "streamrl_value_head"
 
@@ -175,3 +177,22 @@ def whiten_advantages(adv: torch.Tensor, mask: torch.Tensor, group=None, eps: fl
         mean = float(s[1]) / n
         std = max(float(s[2]) / n - mean * mean, 0.0) ** 0.5
         return ((adv - mean) / (std + eps)) * mask
+
+
+def vtrace_inputs(lc: LearnerConfig, grid: ResponseGrid, rows: list[int], values: torch.Tensor,
+                  prox_logp: torch.Tensor, mask: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(V-trace targets [b, R], per-token policy advantages [b, R]) of trajectories ``rows`` of
+    ``grid``, whitened over ``group`` with ``lc.vtrace_adv_norm``.
+
+    Args:
+        values, prox_logp, mask: [b, R] on the learner's device (the rows' values, proximal
+            log-probs and loss mask).
+    """
+    device = values.device
+    behav = grid.behav[rows].to(device)
+    vs, a = critic_targets(values, prox_logp - behav, grid.tok_reward[rows].to(device),
+                           grid.tok_done[rows].to(device), grid.resp[rows].to(device),
+                           lc.gamma, lc.vtrace_rho_bar, lc.vtrace_c_bar)
+    if lc.vtrace_adv_norm:
+        a = whiten_advantages(a, mask, group)
+    return vs, a

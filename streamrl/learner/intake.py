@@ -18,7 +18,7 @@ versions ahead) is balanced here too: :class:`Admission` is the one place that c
 left, a starving learner).
 
 Every stateful part has ``state_dict()`` / ``load_state_dict()``; :meth:`Intake.state_dict`
-bundles them for :class:`streamrl.learner.checkpointer.Checkpointer`.
+bundles them for :class:`streamrl.learner.checkpoint_manager.Checkpointer`.
 """
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ class Admission:
         """Reservations held but neither trained, buffered (``accounted_groups``) nor refunded: in
         flight, or leaked when no worker is generating. The most any refund may give back: refunding
         more admits batches nobody reserved, and with ``max_staleness`` 0 each of them is generated,
-        then dropped as stale, for the rest of the run (a worker whose start took 20 s without a
-        heartbeat had its learner refund 3 steps' groups; half of its samples were dropped)."""
+        then dropped as stale, for the rest of the run (e.g. a worker that starts for 20 s without a
+        heartbeat would have its learner refund 3 steps' groups and lose half of its samples)."""
         return max(0, self.coord.held_groups() - accounted_groups)
 
     def refund(self, groups: int, why: str) -> None:

@@ -20,6 +20,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from streamrl.config import LearnerConfig
 
@@ -115,8 +116,6 @@ class RouterController:
         for n, p in self.params:
             t = self.ema[n].to(p.dtype)
             if hasattr(p.data, "full_tensor"):
-                from torch.distributed.tensor import DTensor
-
                 t = DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
             out[n] = t
         return out

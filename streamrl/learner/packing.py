@@ -37,13 +37,14 @@ what the loss functions take.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
 from tensordict import TensorDict
 
 from streamrl.learner.attention import dense_packed_mask
+from streamrl.learner.h2d import h2d_grouped
 
 
 @dataclass
@@ -111,35 +112,6 @@ class MicroBatch:
         return grid.index_put((self.grid_row.to(values.device), self.grid_col.to(values.device)), values)
 
 
-def h2d_grouped(tensors: dict[str, torch.Tensor], device: torch.device, pin: bool = True) -> dict[str, torch.Tensor]:
-    """Host tensors on ``device`` through ONE staging buffer (pinned) and one non-blocking copy
-    per dtype, instead of a pinned allocation and a copy per tensor (a micro-batch has ~10).
-
-    The results are views into one device buffer per dtype, shaped as the inputs, each starting
-    on a 16-byte boundary (what compiled kernels assume of their inputs; a misaligned one is
-    copied first). The pinned staging buffer is reused by the host allocator only once its copy
-    has completed.
-    """
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name, t in tensors.items():
-        by_dtype.setdefault(t.dtype, []).append(name)
-    out = {}
-    for dtype, names in by_dtype.items():
-        align = max(1, _ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
-        starts, total = [], 0
-        for n in names:
-            starts.append(total)
-            total += -(-tensors[n].numel() // align) * align
-        staging = torch.empty(total, dtype=dtype, pin_memory=pin)
-        for n, o in zip(names, starts):
-            staging[o : o + tensors[n].numel()].view(tensors[n].shape).copy_(tensors[n])
-        on_device = staging.to(device, non_blocking=True)
-        for n, o in zip(names, starts):
-            out[n] = on_device[o : o + tensors[n].numel()].view(tensors[n].shape)
-    return out
-
-
-_ALIGN_BYTES = 16
 _TENSOR_FIELDS = ("input_ids", "position_ids", "attention_mask", "select", "targets", "grid_row", "grid_col",
                   "token_weight", "replay", "segment_ids", "unit_ids")
 
@@ -252,6 +224,72 @@ def plan_microbatches(batch: TensorDict, rows: list[int], budget: int, shared: b
     return plan
 
 
+@dataclass
+class _RowRuns:
+    """A micro-batch row as runs of tokens: one run per shared prompt (``seg`` -1) and per
+    sample, each with its unit, token weight, length in the row and first position id; the
+    row's tokens as slices (``piece_src``, ``piece_len``) of the concatenated token arrays;
+    each sample's response tokens (``resp_src``, ``r_lens``) and start in the row."""
+
+    seg: list[int] = field(default_factory=list)
+    unit_of: list[int] = field(default_factory=list)
+    weight: list[float] = field(default_factory=list)
+    run_len: list[int] = field(default_factory=list)
+    run_pos: list[int] = field(default_factory=list)
+    piece_src: list[int] = field(default_factory=list)
+    piece_len: list[int] = field(default_factory=list)
+    resp_src: list[int] = field(default_factory=list)
+    r_lens: list[int] = field(default_factory=list)
+    sample_start: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    n: int = 0
+
+    def add_run(self, seg: int, unit: int, weight: float, length: int, pos: int) -> None:
+        self.seg.append(seg)
+        self.unit_of.append(unit)
+        self.weight.append(weight)
+        self.run_len.append(length)
+        self.run_pos.append(pos)
+
+
+def _row_runs(view: TrajectoryView, units: list[list[int]], feed_last: bool) -> _RowRuns:
+    """The runs of the row that packs ``units`` (Python ints only; no tensor per sequence)."""
+    runs = _RowRuns()
+    n_prompt_tokens = int(view.prompt_tokens.shape[0])
+    for u_idx, unit in enumerate(units):
+        p = view.p_lens[unit[0]]
+        runs.add_run(-1, u_idx, float(len(unit)), p - 1, 0)
+        runs.piece_src.append(view.p_off[unit[0]])
+        runs.piece_len.append(p - 1)
+        runs.n += p - 1
+        for i in unit:
+            r = view.r_lens[i]
+            fed = r + 1 if feed_last or r == 0 else r  # the segment's tokens in the row
+            runs.add_run(len(runs.rows), u_idx, 1.0, fed, p - 1)
+            # the sample's own last prompt token, then its response but (unless fed) the last
+            runs.piece_src += [view.p_off[i] + p - 1, n_prompt_tokens + view.r_off[i]]
+            runs.piece_len += [1, fed - 1]
+            runs.resp_src.append(view.r_off[i])
+            runs.r_lens.append(r)
+            runs.sample_start.append(runs.n)
+            runs.rows.append(i)
+            runs.n += fed
+    return runs
+
+
+def _replay_ids(view: TrajectoryView, runs: _RowRuns, num_layers: int) -> torch.Tensor | None:
+    """[N, L, k] routed-expert ids of the row's positions (-1 where none), or None without R3."""
+    if view.routed is None or not num_layers:
+        return None
+    k = view.routed.shape[-1]
+    if view.routed.shape[1] != num_layers:
+        raise ValueError(f"routed_experts has {view.routed.shape[1]} layers, the model has {num_layers} MoE layers")
+    replay = torch.full((runs.n, num_layers, k), -1, dtype=torch.int64)
+    for start, src, r in zip(runs.sample_start, runs.resp_src, runs.r_lens):  # memcpy per sample: L x k ids
+        replay[start : start + r] = view.routed[src : src + r]
+    return replay
+
+
 def build_microbatch(view: TrajectoryView, units: list[list[int]], shared: bool, num_layers: int = 0,
                      dummy: bool = False, dense_mask: bool = True, feed_last: bool = True) -> MicroBatch:
     """Materialise one planned micro-batch (see the module docstring for the layout).
@@ -260,70 +298,27 @@ def build_microbatch(view: TrajectoryView, units: list[list[int]], shared: bool,
     path leaves it out and masks from ``segment_ids`` / ``unit_ids``.
     ``feed_last``: keep each sample's last response token in the row (it predicts nothing).
 
-    Why so few tensor ops per sequence: the loop below only lists each *run* (a unit's shared
-    prompt, a sample's segment) as Python ints; the token arrays are then one ``cat`` of slices
-    (memcpy) and the index arrays one :func:`_ragged_arange` each. Building each sequence's
-    tensors on its own took 10.5 ms per 32k row of 128 x 256-token sequences (now 2-3 ms).
+    Why so few tensor ops per sequence: :func:`_row_runs` only lists each *run* (a unit's
+    shared prompt, a sample's segment) as Python ints; the token arrays are then one ``cat`` of
+    slices (memcpy) and the index arrays one :func:`_ragged_arange` each, several times faster
+    than building each sequence's tensors on its own (2-3 ms per 32k row of 256-token sequences).
     """
-    # one run per shared prompt (seg -1) and per sample: its unit, token weight, length in the
-    # row, first position id, and where its tokens come from in ``view.tokens``
-    seg, unit_of, weight, run_len, run_pos = [], [], [], [], []
-    piece_src, piece_len = [], []  # the row's tokens as slices of the concatenated token arrays
-    resp_src, r_lens, sample_start = [], [], []  # each sample's response tokens and its row start
-    rows: list[int] = []
-    n_prompt_tokens = int(view.prompt_tokens.shape[0])
-    n = 0
-    for u_idx, unit in enumerate(units):
-        p = view.p_lens[unit[0]]
-        seg.append(-1)
-        unit_of.append(u_idx)
-        weight.append(float(len(unit)))
-        run_len.append(p - 1)
-        run_pos.append(0)
-        piece_src.append(view.p_off[unit[0]])
-        piece_len.append(p - 1)
-        n += p - 1
-        for i in unit:
-            r = view.r_lens[i]
-            fed = r + 1 if feed_last or r == 0 else r  # the segment's tokens in the row
-            seg.append(len(rows))
-            unit_of.append(u_idx)
-            weight.append(1.0)
-            run_len.append(fed)
-            run_pos.append(p - 1)
-            # the sample's own last prompt token, then its response but (unless fed) the last
-            piece_src += [view.p_off[i] + p - 1, n_prompt_tokens + view.r_off[i]]
-            piece_len += [1, fed - 1]
-            resp_src.append(view.r_off[i])
-            r_lens.append(r)
-            sample_start.append(n)
-            rows.append(i)
-            n += fed
-    input_ids = _slices(view.tokens, piece_src, piece_len).long()[None]
-    runs = torch.tensor(run_len, dtype=torch.int64)
-    run_of_token = torch.repeat_interleave(runs)  # [N]
-    position_ids = _ragged_arange(run_pos, run_len)[None]
-    seg_ids = torch.tensor(seg, dtype=torch.int64)[run_of_token]
-    unit_ids = torch.tensor(unit_of, dtype=torch.int64)[run_of_token]
-    select = _ragged_arange(sample_start, r_lens)
-    targets = _slices(view.response_tokens, resp_src, r_lens).long()
-    lens = torch.tensor(r_lens, dtype=torch.int64)
-    g_row = torch.repeat_interleave(torch.arange(len(rows)), lens)
-    g_col = _ragged_arange([0] * len(rows), r_lens)
+    runs = _row_runs(view, units, feed_last)
+    input_ids = _slices(view.tokens, runs.piece_src, runs.piece_len).long()[None]
+    run_of_token = torch.repeat_interleave(torch.tensor(runs.run_len, dtype=torch.int64))  # [N]
+    position_ids = _ragged_arange(runs.run_pos, runs.run_len)[None]
+    seg_ids = torch.tensor(runs.seg, dtype=torch.int64)[run_of_token]
+    unit_ids = torch.tensor(runs.unit_of, dtype=torch.int64)[run_of_token]
+    select = _ragged_arange(runs.sample_start, runs.r_lens)
+    targets = _slices(view.response_tokens, runs.resp_src, runs.r_lens).long()
+    g_row = torch.repeat_interleave(torch.arange(len(runs.rows)), torch.tensor(runs.r_lens, dtype=torch.int64))
+    g_col = _ragged_arange([0] * len(runs.rows), runs.r_lens)
     mask = None
     if dense_mask and shared and any(len(u) > 1 for u in units):
         mask = dense_packed_mask(seg_ids, unit_ids)
-    replay = None
-    if view.routed is not None and num_layers:
-        k = view.routed.shape[-1]
-        if view.routed.shape[1] != num_layers:
-            raise ValueError(f"routed_experts has {view.routed.shape[1]} layers, the model has {num_layers} MoE layers")
-        replay = torch.full((n, num_layers, k), -1, dtype=torch.int64)
-        for start, src, r in zip(sample_start, resp_src, r_lens):  # memcpy per sample: rows of L x k ids
-            replay[start : start + r] = view.routed[src : src + r]
-    tw = torch.tensor(weight, dtype=torch.float32)[run_of_token] * (0.0 if dummy else 1.0)
-    return MicroBatch(input_ids, position_ids, mask, select, targets, g_row, g_col, tw, replay, rows, seg_ids,
-                      unit_ids, dummy)
+    tw = torch.tensor(runs.weight, dtype=torch.float32)[run_of_token] * (0.0 if dummy else 1.0)
+    return MicroBatch(input_ids, position_ids, mask, select, targets, g_row, g_col, tw,
+                      _replay_ids(view, runs, num_layers), runs.rows, seg_ids, unit_ids, dummy)
 
 
 def _slices(src: torch.Tensor, starts: list[int], lens: list[int]) -> torch.Tensor:

@@ -3,8 +3,9 @@
 Why: on the sdpa path a packed row (:mod:`streamrl.learner.packing`) gets a dense
 ``[1, 1, N, N]`` mask and the CPU kernel computes all ``N^2`` scores. A shared-prompt row of two
 groups (2 x (52 + 8 x 25) tokens) needs about 1/8 of them: each sample's segment sees its unit's
-prompt and itself, a prompt sees itself. On SmolLM2-135M at 2 x 8 samples the masked attention
-was 13 % of the CPU learner step (FlexAttention, which skips empty tiles, has no CPU backward).
+prompt and itself, a prompt sees itself. On SmolLM2-135M at 2 x 8 samples the dense masked
+attention costs ~13 % of the CPU learner step (FlexAttention, which skips empty tiles, has no
+CPU backward).
 
 Here the row is cut into small dense problems, batched, and run through sdpa:
 
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 from streamrl.learner.attention import register_attention
 
@@ -158,8 +161,6 @@ def segment_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                               attention_mask, scaling: float | None = None, dropout: float = 0.0,
                               segment_layout: SegmentLayout | None = None, **kwargs):
     """transformers attention function: by segments with a ``segment_layout``, else sdpa."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if segment_layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -173,8 +174,6 @@ def segment_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> tor
     trainer passes ``attention_mask=None`` with its ``segment_layout``; sdpa's builder would make a
     ``[1, 1, N, N]`` mask from the restarting position ids that the layout makes unneeded), sdpa's
     mask for padded inputs (their ``[B, T]`` attention mask)."""
-    from transformers.masking_utils import sdpa_mask
-
     if attention_mask is None:
         return None
     return sdpa_mask(attention_mask=attention_mask, **kwargs)

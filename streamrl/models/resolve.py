@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from streamrl.config import ConfigError
+from streamrl.errors import ConfigError
 
 # owner/name[@revision], the hub's own spelling rules (letters, digits, '-', '_', '.').
 _HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@(?P<rev>[\w./-]+))?")

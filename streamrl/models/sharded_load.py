@@ -16,7 +16,7 @@ under ``block_sparse_moe``, or an already fused ``experts.gate_up_proj [E, 2I, H
 
 Why not ``torch.distributed.checkpoint.hf_storage``: its reader maps checkpoint keys 1:1 onto
 state-dict keys, so it cannot assemble our fused, ep-sliced expert tensors from per-expert
-keys; a DCP checkpoint of the learner (``streamrl.learner.checkpoint``) already loads into the
+keys; a DCP checkpoint of the learner (``streamrl.learner.run_checkpoint``) already loads into the
 sharded state dict and needs nothing from here.
 
 Buffers (rotary ``inv_freq``) are not in safetensors: :func:`params_on_meta` puts only
@@ -34,7 +34,14 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from streamrl.models.families import check_converted_logits, probe_ids, reference_logits
+from streamrl.models.moe import convert_moe_blocks, is_expert_param
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +77,6 @@ def params_on_meta() -> Iterator[None]:
 
 def build_empty_model(folder: Path, dtype: torch.dtype) -> nn.Module:
     """The HF causal LM of ``folder`` with its parameters on the meta device (see module doc)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(folder)
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -87,8 +92,6 @@ def has_meta_params(model: nn.Module) -> bool:
 def model_bytes(model: nn.Module, ep: int = 1) -> int:
     """Bytes of the whole (global) model's parameters; routed experts counted ``ep`` times
     (a rank holds ``1 / ep`` of them)."""
-    from streamrl.parallel.expert_parallel import is_expert_param
-
     return sum(p.numel() * p.element_size() * (ep if is_expert_param(n) else 1) for n, p in model.named_parameters())
 
 
@@ -96,8 +99,6 @@ class SafetensorsFolder:
     """Read rows of tensors from an HF folder's safetensors files without loading them whole."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
-
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
@@ -110,7 +111,6 @@ class SafetensorsFolder:
         if not files:
             raise ValueError(f"model folder {str(self.folder)!r} has no safetensors weights")
         self.key_file = files
-        self._safe_open = safe_open
 
     def __contains__(self, key: str) -> bool:
         return key in self.key_file
@@ -119,7 +119,7 @@ class SafetensorsFolder:
         # Opened per read: safetensors maps the file, and every page a mapping has touched counts
         # in the process's resident memory until it is unmapped; closing after each tensor keeps
         # a rank's footprint at its own shards instead of its shards twice.
-        with self._safe_open(self.folder / self.key_file[key], "pt") as f:
+        with safe_open(self.folder / self.key_file[key], "pt") as f:
             sl = f.get_slice(key)
             if lo is None or not sl.get_shape():
                 return sl[:].clone()
@@ -136,12 +136,8 @@ class SafetensorsFolder:
 
 def _row_range(t: torch.Tensor) -> tuple[int, int]:
     """[lo, hi) rows of the parameter's global tensor that this rank's local tensor holds."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     if not isinstance(t, DTensor):
         return 0, t.shape[0] if t.dim() else 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     for pl in t.placements:
         assert isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0), t.placements
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
@@ -204,8 +200,6 @@ def materialize_and_load(model: nn.Module, folder: Path, device: torch.device, e
     ``ep_rank`` / ``n_local_experts``: this rank's experts are
     ``[ep_rank * n_local, (ep_rank + 1) * n_local)`` of the checkpoint's.
     """
-    from streamrl.parallel.expert_parallel import is_expert_param
-
     kept = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
             for n, p in model.named_parameters() if p.device.type != "meta"}
     meta = {n for n, p in model.named_parameters() if p.device.type == "meta"}
@@ -256,11 +250,6 @@ def check_conversion_on_copy(folder: Path, dtype: torch.dtype, max_bytes: int, s
     check is skipped with a log line, as holding the full model is what a sharded start avoids.
     Returns the max logit difference, or None when skipped.
     """
-    from transformers import AutoModelForCausalLM
-
-    from streamrl.models.families import check_converted_logits, probe_ids, reference_logits
-    from streamrl.models.moe import convert_moe_blocks
-
     if size > max_bytes:
         log.info("MoE conversion logits check skipped: model of %.2f GB > %.2f GB (sharded start never holds "
                  "the full model)", size / 1e9, max_bytes / 1e9)

@@ -25,19 +25,14 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from streamrl.models.families import check_converted_logits, moe_family, probe_ids, reference_logits
-from streamrl.models.moe import EPMoEBlock, convert_moe_blocks
+from streamrl.models.moe import EPMoEBlock, convert_moe_blocks, is_expert_param
 from streamrl.models.sharded_load import (WEIGHTS_FOLDER_ATTR, check_conversion_on_copy, has_meta_params,
                                           materialize_and_load, model_bytes)
 from streamrl.parallel.mesh import LearnerMesh
-
-EXPERT_PARAM_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
-
-
-def is_expert_param(name: str) -> bool:
-    """True for the (ep-sharded) routed-expert tensors."""
-    return name.endswith(EXPERT_PARAM_SUFFIXES)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -163,8 +158,6 @@ def _shard(model: nn.Module, blocks: list[EPMoEBlock], mesh: LearnerMesh, device
         compile_decoder_layers(model)
     if mesh.dims.world == 1:
         return
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mp = MixedPrecisionPolicy()
     if device.type == "cuda" and mixed_precision:
         # param_dtype: a no-op cast for a bf16 model, the bf16 compute copy of an fp32 one.
@@ -217,8 +210,6 @@ def global_expert_view(t: torch.Tensor, mesh: LearnerMesh) -> torch.Tensor:
     ep = mesh.dims.ep
     if ep == 1:
         return t
-    from torch.distributed.tensor import DTensor, Shard
-
     local = t.to_local() if isinstance(t, DTensor) else t
     shape = (t.shape[0] * ep, *t.shape[1:])
     stride = torch.empty(shape, device="meta").stride()

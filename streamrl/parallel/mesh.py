@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 class ParallelConfigError(ValueError):
@@ -89,8 +90,6 @@ def build_mesh(ep: int = 1, device_type: str = "cpu", num_experts: int = 0) -> L
     dims = ParallelDims(world, ep).validate(num_experts)
     if world == 1:
         return LearnerMesh(dims, rank)
-    from torch.distributed.device_mesh import init_device_mesh
-
     dp = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     m2 = init_device_mesh(device_type, (dims.dp_shard, dims.ep), mesh_dim_names=("dp_shard", "ep"))
     expert = None
@@ -99,8 +98,6 @@ def build_mesh(ep: int = 1, device_type: str = "cpu", num_experts: int = 0) -> L
         # block is FSDP-sharded over dp_shard: in DTensor terms (Shard(0), Shard(0)) on a mesh
         # whose OUTER dim is ep. The transpose of m2 is that mesh; checkpoints describe experts
         # with it so DCP stores global tensors and reshards across ep.
-        from torch.distributed.device_mesh import DeviceMesh
-
         ranks = m2.mesh.t().contiguous()
         expert = DeviceMesh(device_type, ranks, mesh_dim_names=("ep", "dp_shard"))
     return LearnerMesh(dims, rank, dp, m2, expert)

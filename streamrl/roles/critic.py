@@ -49,7 +49,7 @@ def critic_checkpoint_path(cfg: Config) -> Path:
     """``<checkpoint dir>/critic.safetensors`` (next to the learner's checkpoints)."""
     # Lazy: the checkpoint module pulls in the model stack; the launcher imports this module
     # only for critic_role_configured.
-    from streamrl.learner.checkpoint import checkpoint_dir  # noqa: PLC0415
+    from streamrl.learner.run_checkpoint import checkpoint_dir  # noqa: PLC0415
 
     return checkpoint_dir(cfg) / "critic.safetensors"
 

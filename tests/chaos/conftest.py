@@ -87,7 +87,7 @@ class Run:
 
     def latest_checkpoint_step(self) -> int:
         """Step of the newest complete checkpoint (0 if none)."""
-        from streamrl.learner.checkpoint import latest_checkpoint
+        from streamrl.learner.run_checkpoint import latest_checkpoint
 
         ck = latest_checkpoint(self.run_dir / "checkpoints")
         return int(ck.name.split("_")[1]) if ck is not None else 0
@@ -179,7 +179,7 @@ def check_consistent(run: Run, steps: int) -> dict:
     assert manifest is not None and manifest["state"] == "complete"
     # the final checkpoint exists and loads (same model, exact step)
     from streamrl.config import load_config
-    from streamrl.learner.checkpoint import latest_checkpoint, load_checkpoint
+    from streamrl.learner.run_checkpoint import latest_checkpoint, load_checkpoint
     from streamrl.learner.trainer import Trainer
 
     cfg = load_config(str(REPO / "configs/tiny.yaml"), [f"run.run_dir={run.run_dir}", *FAST])

@@ -6,7 +6,7 @@
 Prints one JSON line of seconds: imports, the first generate call (64 new tokens: compile and CUDA-graph
 capture of the decode step, then the tokens), three 256 x 1,024-token batches, the dynamo graphs
 compiled; then dynamo's compile-time table (bytecode tracing vs inductor). The README's "decoder layer
-compiled once" table (session 12) comes from it.
+compiled once" table comes from it.
 """
 import json
 import time

@@ -2,7 +2,7 @@
 
     python3 tools/gpu/decode_kernels_bench.py [BATCH=256] [SPANS=512,1024]
 
-Attention at decode (the session-8 profile of the 1.04 B MoE at batch 256, span 1,024: cuDNN's
+Attention at decode (a profile of the 1.04 B MoE at batch 256, span 1,024: cuDNN's
 flash kernel, 131 us a layer, ~43 % of HBM bandwidth): query ``[B, Hkv, G, D]`` (grouped heads
 folded into the query axis, as ``static_attention`` does), K/V ``[B, Hkv, S, D]``, a bool mask
 ``[B, 1, 1, S]`` of each row's written positions. Variants: sdpa as today (backend picked by

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Async vs sync on the GPU (issues 9, 18): learner and one hf_fast rollout worker as separate
+# Async vs sync on the GPU: learner and one hf_fast rollout worker as separate
 # processes on cuda:0, configs/gpu-long.yaml (responses of up to 1,024 tokens), REPEATS (3) runs
 # of each alternately; medians and min-max spreads in result.json. Run on the device machine from
 # the repo root. STEPS defaults to 8 (the config says 10) so 6 launches fit < 9 min: the first
 # launch compiles the decode step, later ones reuse the inductor cache (TORCHINDUCTOR_CACHE_DIR).
-# CONFIG=configs/gpu-moe.yaml STEPS=30 REPEATS=1 gives the issue-9 figure. ROLLERS (1): rollout
+# CONFIG=configs/gpu-moe.yaml STEPS=30 REPEATS=1 gives the README's MoE-recipe figure. ROLLERS (1): rollout
 # workers, all on cuda:0; TAG names the $OUT subfolder; extra arguments are config overrides.
-# The README's figures (session 15): one 60-step pair per call (~430 s cold, ~350 s warm), three
+# The README's figures: one 60-step pair per call (~430 s cold, ~350 s warm), three
 # calls back to back so the machine stays warm, then, here:
 #   TAG=e1 STEPS=60 REPEATS=1 E2E_TIMEOUT=560 bash tools/gpu/e2e.sh      (then TAG=e2, TAG=e3)
 #   streamrl-bench e2e --merge e1/result.json e2/result.json e3/result.json --out runs/e2e-merged

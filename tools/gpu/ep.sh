@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Multi-GPU learner-step figures (issue 5): expert parallel over the GPUs vs FSDP2 data parallel
+# Multi-GPU learner-step figures: expert parallel over the GPUs vs FSDP2 data parallel
 # only, same model and per-GPU batch, plus the 2-GPU NCCL weights plane test. Needs >= 2 GPUs
 # (device kind nvidia-h200-x2). Run on the device machine from the repo root: bash tools/gpu/ep.sh
 set -uo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU figures for the learner step (issue 5), the weight broadcast (issue 4) and the fast engine's
-# GPU tests (issue 11). Run on the device machine from the repo root: bash tools/gpu/figures.sh
+# GPU figures for the learner step, the weight broadcast and the fast engine's
+# GPU tests. Run on the device machine from the repo root: bash tools/gpu/figures.sh
 set -uo pipefail
 source tools/gpu/env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU figures of the fast transformers engine (issue 11). Run on the device machine from the repo
+# GPU figures of the fast transformers engine. Run on the device machine from the repo
 # root with .whl carried (see ../shared/tools/device-wheels.sh); writes JSON/logs under $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

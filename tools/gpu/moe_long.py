@@ -4,7 +4,7 @@ tokenizer (49,152 tokens), for configs/gpu-long.yaml:
     python3 tools/gpu/moe_long.py /tmp/moe-long
 
 Why not the built-in model: its character tokenizer has ~100 tokens, so random weights draw EOS
-about every hundred tokens and "1,024-token" responses averaged ~100 (session-6 GPU run). With a
+about every hundred tokens and "1,024-token" responses average ~100 tokens. With a
 49k vocabulary a random model draws EOS once in ~49k tokens: responses run to the cap, as long
 reasoning rollouts do.
 """

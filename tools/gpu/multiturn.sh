@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU figures of multi-turn episodes (issue 21): KV reuse across turns and tool/generation overlap
+# GPU figures of multi-turn episodes: KV reuse across turns and tool/generation overlap
 # on SmolLM2-135M (hf_fast, CUDA graphs). Run on the device machine from the repo root with .whl
 # and models/smol carried; writes JSON lines under $OUT.
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One hf_fast decode step of the 1 B MoE at batch 256 on the H200 (issue 18): graph-replay time and
+# One hf_fast decode step of the 1 B MoE at batch 256 on the H200: graph-replay time and
 # a torch.profiler top-kernels table, static and paged KV cache (tools/gpu/hf_fast_profile.py).
 # Run on the device machine from the repo root with .whl carried; < 5 min. Tables in $OUT.
 set -uo pipefail

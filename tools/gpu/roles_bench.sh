@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Per-role cost on the GPU (issue 20): the reference and critic colocated in the learner vs
+# Per-role cost on the GPU: the reference and critic colocated in the learner vs
 # served by their own processes, on the GPU recipe's model (configs/gpu-moe.yaml), one H200.
 # Prints tools/bench_roles.py's JSON (median ms per learner step / per role-server batch, and
 # bytes each role holds) for a 8 x 16 batch of 128-token prompts and 512-token responses, in

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# hf_fast at real lengths on one H200 (issue 18): tok/s at 1k and 4k new tokens, batch 64 and 256,
+# hf_fast at real lengths on one H200: tok/s at 1k and 4k new tokens, batch 64 and 256,
 # next to plain generate() and the memory-bandwidth floor (streamrl/bench/hf_fast.py), and the
 # SmolLM2-135M shape (9 query heads, 3 KV heads: the GQA crash) eager and compiled.
 # Run on the device machine from the repo root; carry .whl made by
@@ -15,8 +15,8 @@
 #   bash tools/gpu/rollout_long.sh
 #   KV=paged bash tools/gpu/rollout_long.sh
 #   KV=paged CASES=moe1b-b256-8k-spread bash tools/gpu/rollout_long.sh
-# PAGED_ATTN=flex (with KV=paged): FlexAttention over the pool in place; refused on CUDA since it failed its GPU parity
-# test (session 7): fix paged_flex.py and pass `pytest -m gpu tests/test_hf_fast_paged.py` first.
+# PAGED_ATTN=flex (with KV=paged): FlexAttention over the pool in place; refused on CUDA since it fails its GPU parity
+# test: fix paged_flex.py and pass `pytest -m gpu tests/test_hf_fast_paged.py` first.
 # ATTN=sdpa|flex (KV=static; default auto = flex on CUDA): the decode step's attention (flex: each row's own blocks, one graph).
 set -uo pipefail
 source tools/gpu/env.sh || exit 1
@@ -56,8 +56,8 @@ bench() {  # bench NAME ESTIMATE_S ARGS...: one JSON line, or a skip/error line
     echo "{\"case\": \"$name\", \"error\": \"failed or timed out (limit ${left}s); see $name-$KV.err\"}" | tee -a "$JSONL"
   fi
 }
-# Span buckets: the compiled decode step takes every span with one graph (session 7), so buckets cost only
-# CUDA-graph captures; small buckets attend fewer unwritten positions (session 7 ran 1k with 512: 5.49x).
+# Span buckets: the compiled decode step takes every span with one graph, so buckets cost only
+# CUDA-graph captures; small buckets attend fewer unwritten positions (1k new tokens with buckets of 512: 5.49x).
 SMOL=(--model-path /tmp/smol --dtype float32 --batch 64 --prompt-len 64 --new-tokens 256)
 bench smol-eager 60 "${SMOL[@]}" --no-compile
 bench smol-compiled 120 "${SMOL[@]}"

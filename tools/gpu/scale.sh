@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Scaling figures for issue 22 on a multi-GPU kind (nvidia-h200-x2/x4/x8): run on the device machine from
+# Scaling figures on a multi-GPU kind (nvidia-h200-x2/x4/x8): run on the device machine from
 # the repo root with .whl and .redis carried:   bash tools/gpu/scale.sh        (< 10 min on 8 GPUs)
 #  1. learner tokens/s on 1, 2, 4, 8 GPUs (up to the count present), FSDP2 data parallel only vs dp x ep
 #     (ep = the GPU count), for a model where expert parallel is needed: 64 experts, top-8, 8 layers of

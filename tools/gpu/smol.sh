@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real-model RL on the GPU (issue 9): SmolLM2-135M-Instruct GGUF -> HF -> 4-expert MoE, then
+# Real-model RL on the GPU: SmolLM2-135M-Instruct GGUF -> HF -> 4-expert MoE, then
 # accuracy on held-out arithmetic before and after a short colocated run (configs/smol-moe-gpu.yaml).
 set -uo pipefail
 source tools/gpu/env.sh || exit 1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M recipe of issue 18 on one H200: a random SmolLM2-shaped folder (9 query / 3 KV
+# The SmolLM2-135M recipe on one H200: a random SmolLM2-shaped folder (9 query / 3 KV
 # heads, fp32, made by tools/gpu/smol_shape/make.py), 8 prompts x 8 samples, <= 24 new tokens,
 # learner and one hf_fast worker colocated on cuda:0. Reports samples/s, learner idle % and the
 # weight publish time as a share of a step (target: >= 195 samples/s, idle < 15 %, publish < 10 %).

@@ -10,7 +10,7 @@ batches of other lengths (a recompile shows as a step far above the second warm-
 graphs compiled; then dynamo's compile-time table. ``--flex-dynamic`` compiles FlexAttention with
 ``dynamic=True`` (one graph for every length) instead of the default (static for the first length,
 then a dynamic recompile at the second). ``--compiled-mask`` builds the block masks with torch's
-``create_block_mask(..., _compile=True)`` (the learner's way before session 15) instead of
+``create_block_mask(..., _compile=True)`` (torch's compiled mask builder) instead of
 :func:`streamrl.learner.attention.packed_block_mask`'s tile ranges. ``--profile`` prints the first
 warm-up's 30 most expensive calls (cProfile, cumulative) to stderr.
 """

@@ -1,7 +1,7 @@
 """One checkpointer over the learner's stateful parts (torchtitan's ``CheckpointManager`` idea).
 
 The learner registers its parts by name: the trainer (model, optimizer, router EMA: saved by
-:func:`streamrl.learner.checkpoint.save_checkpoint` itself, collectively), the run's progress
+:func:`streamrl.learner.run_checkpoint.save_checkpoint` itself, collectively), the run's progress
 (:class:`RunProgress`) and rank 0's :class:`~streamrl.learner.intake.Intake`. Each part has
 ``state_dict()`` / ``load_state_dict()``; a part's state is JSON values plus tensors. The
 checkpointer files them where ``save_checkpoint`` keeps them: JSON in ``learner_state.json``
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from streamrl.export import write_step_folder
-from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, load_extra, save_checkpoint
+from streamrl.learner.run_checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, load_extra, save_checkpoint
 
 log = logging.getLogger(__name__)
 BUFFER_KEY = "buffer_items"  # the part key filed as the checkpoint's packed trajectory buffer

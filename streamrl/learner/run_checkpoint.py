@@ -36,8 +36,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
 
+from streamrl.config import config_from_dict
 from streamrl.parallel.expert_parallel import global_expert_view, is_expert_param
 
 _PREFIX = "step_"
@@ -58,8 +62,6 @@ def _barrier() -> None:
 
 def _as_dtensor_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if hasattr(p, "device_mesh"):
-        from torch.distributed.tensor import DTensor
-
         return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
     return t
 
@@ -171,8 +173,6 @@ def save_checkpoint(root: Path, step: int, trainer, learner_state: dict[str, Any
         extra_tensors: more rank-0 tensors (e.g. the ledger's trained ids), read back with
             :func:`load_extra`.
     """
-    import torch.distributed.checkpoint as dcp
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = root / f"{_PREFIX}{step:08d}"
     tmp = root / f".tmp_{_PREFIX}{step:08d}"
@@ -219,9 +219,6 @@ def load_checkpoint(path: Path, trainer) -> tuple[dict[str, Any], Any, list[int]
     Returns:
         (learner_state dict, pending trajectories TensorDict or None, seen trajectory ids).
     """
-    import torch.distributed.checkpoint as dcp
-    from tensordict import TensorDict
-
     path = Path(path)
     meta = read_learner_state(path)
     state = _state(trainer)
@@ -261,8 +258,6 @@ def read_learner_state(path: Path) -> dict[str, Any]:
 
 def read_run_config(path: Path):
     """The run :class:`~streamrl.config.Config` stored in a checkpoint, or None (older checkpoints)."""
-    from streamrl.config import config_from_dict
-
     f = Path(path) / CONFIG_FILE
     return config_from_dict(json.loads(f.read_text())) if f.is_file() else None
 
