@@ -97,11 +97,11 @@ class RunState:
 
     def record_stuck(self, process: str, report: str) -> None:
         """Store the stall the launcher acted on for ``process`` (JSON), for ``streamrl-monitor``."""
-        self.r.hset(self.key("stuck"), process, report)
+        self.r.hset(self.coord.keys.stuck, process, report)
 
     def stuck(self) -> dict[str, str]:
         """``process -> JSON`` of the last stall acted on per process."""
-        return self.r.hgetall(self.key("stuck"))
+        return self.r.hgetall(self.coord.keys.stuck)
 
     def wait_for_run(self, timeout_s: float, poll_s: float = 0.2) -> dict:
         """Non-head hosts: wait until the head stored the config of a live run; return it."""

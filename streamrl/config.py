@@ -637,6 +637,8 @@ class DeadlinesConfig:
     """Each call of a reward plug-in ('module:function'); past it the sample scores 0 and counts in rollout/reward_timeouts."""
     collective_s: float = 1800.0
     """The learner's process-group timeout: a collective waiting this long on a missing rank fails the job."""
+    data_s: float = 600.0
+    """The learner waits this long for a complete batch (no worker delivers) before it stops the run as starved."""
 
     def validate(self, p: str) -> None:
         for f in dataclasses.fields(self):

@@ -107,3 +107,33 @@ def test_diagnosis_names_the_first_fault_its_log_and_the_resume_command(tmp_path
     assert "the run failed: all rollout workers failed" in text
     assert "first fault: rollout-0 stuck in phase generating" in text and "| line 49" in text and "| line 29" not in text
     assert text.endswith(f"resume: {cmd}")
+
+
+def test_monitor_shows_stuck_workers_phase_and_the_launchers_report(redis_url, run_id):
+    from rich.console import Console
+
+    from streamrl.config import Config
+    from streamrl.monitor.snapshot import SnapshotBuilder
+    from streamrl.monitor.source import RunSource
+    from streamrl.monitor.ui import render
+
+    coord = Coordinator(redis_url, run_id)
+    cfg = Config()
+    cfg.deadlines.batch_s = 60.0
+    coord.put_config(cfg.to_dict())
+    now = time.time()
+    coord.heartbeat(0, {"pid": 1, "state": "generating", "phase": liveness.GENERATING, "phase_since": now - 90,
+                        "incarnation": 1})  # beating, but one batch for 90 s > batch_s
+    coord.heartbeat(1, {"pid": 2, "state": "waiting_admission", "phase": liveness.WAITING_ADMISSION,
+                        "phase_since": now - 90, "incarnation": 1})  # waiting is not stuck
+    RunState(coord, run_id).record_stuck("rollout-1", json.dumps(
+        {"process": "rollout-1", "phase": "generating", "since": now - 200, "why": "no heartbeat for 61 s"}))
+    source = RunSource(redis_url, run_id)
+    snap = SnapshotBuilder(window_s=30).build(run_id, {}, source.refresh())
+    rows = {w["id"]: w for w in snap["workers"]}
+    assert rows[0]["status"] == "stuck" and rows[0]["phase"] == "generating" and rows[0]["phase_s"] >= 90
+    assert rows[1]["status"] == "alive" and rows[1]["stuck"]["why"] == "no heartbeat for 61 s"
+    console = Console(width=160, record=True)
+    console.print(render(snap, redis_url))
+    text = console.export_text()
+    assert "stuck" in text and "rollout-1 was stuck in phase generating" in text
