@@ -108,7 +108,8 @@ class RolloutWorker:
         self.reward = run_reward(cfg, self._reward_endpoint())
         self.roller = build_roller(cfg, self.engine, self.tok, problems, worker_id=self.wid, next_id=self._next_id,
                                    reward=self.reward,
-                                   before_turn=self.between_turns if cfg.rollout.inflight_updates else None)
+                                   before_turn=self.between_turns if cfg.rollout.inflight_updates else None,
+                                   task=task)
         self.roles = trajectory_roles(cfg, self.coord)  # reference/critic servers, when placed apart (or None)
         self.subscriber = make_subscriber(self.coord, cfg, worker_id=self.wid)
         self.metrics = RateLimitedRedisSink(self.coord, f"rollout-{self.wid}")
@@ -330,7 +331,7 @@ class RolloutWorker:
             "rollout/reward_timeouts": reward_timeouts(self.reward.fns),  # plug-in calls past deadlines.reward_s
             **sender.stats(),  # transport/produced, retained and resent messages, ...
             **self.subscriber.timings,  # weights/transfer_s, verify_s, load_s of the newest load
-            **self.roller.last_metrics,  # env/... of multi-turn episodes
+            **self.roller.last_metrics,  # rollout/truncated, env/... of multi-turn episodes
             **versions_spanned(td["policy_version"], td["response_lens"]),  # in-flight drift
             **(self.borrower.metrics() if self.borrower is not None else {}),
         })

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "rollout": "rollout worker loop vs the bare engine generate",
     "e2e": "asynchronous vs synchronous training, same config and resources",
     "learner": "learner step: padded full-vocab (before) vs packed micro-batches vs shared-prompt groups",
+    "race": "time to held-out accuracy: StreamRL vs TRL's GRPOTrainer, same model, prompts and budget",
 }
 
 

@@ -5,8 +5,10 @@ solver or a sandbox, and hang. An unbounded call would freeze the worker's main 
 heartbeat thread keeps beating. Each call runs in a daemon thread and is waited on for at most
 ``deadlines.reward_s``; past it the sample scores 0.0, the timeout is counted
 (``rollout/reward_timeouts``) and logged once per plug-in. A Python thread cannot be killed, so
-a hung call keeps its thread; after ``MAX_HUNG`` hung calls at once the worker fails with an
-error naming the plug-in (the launcher restarts it as a fresh process).
+a hung call keeps its thread; while ``MAX_HUNG`` calls are hung at once, further calls start no
+thread and score 0.0 at once (counted the same way), so a plug-in that always hangs costs
+neither unbounded threads nor ``reward_s`` per sample. (An exception here would not stop the
+worker: :class:`~streamrl.rewards.CombinedReward` scores a raising plug-in 0 and counts it.)
 """
 from __future__ import annotations
 
@@ -16,10 +18,6 @@ from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 MAX_HUNG = 32
-
-
-class RewardHung(RuntimeError):
-    """Too many calls of one reward plug-in are hung at once."""
 
 
 class TimedReward:
@@ -32,6 +30,10 @@ class TimedReward:
         self.token_credit = getattr(fn, "token_credit", None)
 
     def __call__(self, problem, response: str) -> float:
+        self._hung = [t for t in self._hung if t.is_alive()]
+        if len(self._hung) >= MAX_HUNG:
+            self.timeouts += 1
+            return 0.0
         box: dict[str, Any] = {}
 
         def call() -> None:
@@ -54,10 +56,10 @@ class TimedReward:
         if self.timeouts == 1:
             log.warning("reward plug-in %s gave no score within %g s (deadlines.reward_s): scored 0.0, counted "
                         "in rollout/reward_timeouts", self.name, self.timeout_s)
-        self._hung = [t for t in self._hung if t.is_alive()] + [thread]
-        if len(self._hung) >= MAX_HUNG:
-            raise RewardHung(f"reward plug-in {self.name}: {len(self._hung)} calls still hung past "
-                             f"deadlines.reward_s = {self.timeout_s:g} s")
+        self._hung.append(thread)
+        if len(self._hung) == MAX_HUNG:
+            log.warning("reward plug-in %s: %d calls hung at once; it scores 0.0 without being called until "
+                        "one returns", self.name, MAX_HUNG)
         return 0.0
 
 

@@ -137,3 +137,15 @@ def test_monitor_shows_stuck_workers_phase_and_the_launchers_report(redis_url, r
     console.print(render(snap, redis_url))
     text = console.export_text()
     assert "stuck" in text and "rollout-1 was stuck in phase generating" in text
+
+
+def test_a_plugin_that_always_hangs_is_bypassed_after_max_hung(monkeypatch):
+    from streamrl.rollout import timed_reward
+
+    monkeypatch.setattr(timed_reward, "MAX_HUNG", 2)
+    never = threading.Event()
+    fn = TimedReward(lambda p, r: never.wait(), "m:always", 0.05)
+    scores = [fn(None, str(i)) for i in range(5)]
+    assert scores == [0.0] * 5 and fn.timeouts == 5
+    assert len(fn._hung) == 2  # no thread started once two hang
+    never.set()
