@@ -13,10 +13,11 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from .conftest import check_consistent, wait_for
+from .conftest import check_consistent, children, cmdline, wait_for
 
 pytestmark = [pytest.mark.chaos]
 SHORT = ["deadlines.heartbeat_s=3", "deadlines.stuck_s=6"]
@@ -117,3 +118,44 @@ def test_hanging_reward_plugin_is_timed_out_scored_and_counted(launch):
         assert _log(run, f"rollout-{w}").count("=== start") == 1  # timed out, never restarted
     assert set(s["accounting"]["lost"]) <= {"stale"}, s["accounting"]["lost"]
     _fault_line("reward plug-in hangs", detected, time.monotonic() - t0, s)
+
+
+def _rank_pid(run, rank: int) -> int | None:
+    """Learner rank ``rank`` (a child of the torchrun agent, told apart by its RANK variable)."""
+    agent = run.learner_pid()
+    for pid in children(agent) if agent else []:
+        try:
+            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and "streamrl.workers.learner" in cmdline(pid):
+            return pid
+    return None
+
+
+@pytest.mark.timeout(420)
+def test_one_learner_rank_of_two_sigstopped_the_job_restarts_from_its_checkpoint(launch):
+    """Deadline 420 s. Learner rank 1 of 2 SIGSTOPped after a checkpoint: rank 0's next collective
+    fails after deadlines.collective_s = 20 s, the job fails, the launcher restarts it with
+    --resume (--learner-restarts 1), and the run completes with nothing trained twice."""
+    steps = 60
+    run = launch("--learners", "2", "--learner-restarts", "1", steps=steps,
+                 extra=[*SHORT, "deadlines.collective_s=20"])
+    wait_for(lambda: run.latest_checkpoint_step() >= 4, 240, "a checkpoint")
+    pid = wait_for(lambda: _rank_pid(run, 1), 30, "learner rank 1")
+    assert run.proc.poll() is None and run.steps() < steps, "run ended before the fault could be injected"
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: "restart 1/1 with --resume" in run.log.read_text(), 150, "the learner job restarted")
+        detected = time.monotonic() - t0
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)  # the old job's rank: killed with its agent by now
+        except ProcessLookupError:
+            pass
+    assert run.wait(240) == 0
+    s = check_consistent(run, steps)
+    assert s["resumed_from_step"] >= 4
+    assert set(s["accounting"]["lost"]) <= {"stale"}, s["accounting"]["lost"]
+    _fault_line("learner rank SIGSTOP", detected, time.monotonic() - t0, s)
