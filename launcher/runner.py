@@ -124,7 +124,7 @@ def _resume_hint(launch: Launch) -> str | None:
     """The resume command when the head host has a checkpoint to resume from (else None)."""
     if not launch.head:
         return resume_command(launch.argv) + "   (on the head host, which holds the checkpoint)"
-    from streamrl.learner.checkpoint import checkpoint_dir, latest_checkpoint  # noqa: PLC0415 (model stack)
+    from streamrl.learner.run_checkpoint import checkpoint_dir, latest_checkpoint  # noqa: PLC0415 (model stack)
 
     return resume_command(launch.argv) if latest_checkpoint(checkpoint_dir(launch.cfg)) is not None else None
 

@@ -149,3 +149,18 @@ def test_a_plugin_that_always_hangs_is_bypassed_after_max_hung(monkeypatch):
     assert scores == [0.0] * 5 and fn.timeouts == 5
     assert len(fn._hung) == 2  # no thread started once two hang
     never.set()
+
+
+def test_resume_hint_only_with_a_checkpoint(tmp_path):
+    from types import SimpleNamespace
+
+    from streamrl.config import Config
+    from streamrl.launcher.runner import _resume_hint
+
+    cfg = Config()
+    cfg.run.run_dir = str(tmp_path)
+    launch = SimpleNamespace(head=True, argv=["--steps", "5"], cfg=cfg)
+    assert _resume_hint(launch) is None  # nothing to resume from yet
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000004" / "learner_state.json").write_text("{}")  # what marks it complete
+    assert _resume_hint(launch) == "streamrl-launch --steps 5 --resume"
