@@ -5,6 +5,9 @@ Rules (one loop, 5 ticks a second):
 * a rollout worker that dies is restarted up to ``max_restarts`` with exponential backoff;
   one that exits because the run stopped is *parked*, and restarted only if the run goes on
   (the head restarted the learner: the run's ``epoch`` advanced);
+* a rollout worker that is alive but stuck (:mod:`streamrl.launcher.watchdog`: its heartbeat
+  stopped, or one batch outlasts ``deadlines.batch_s``) is reported and killed, then restarted
+  as a failed one; every abnormal exit or stall is recorded for the diagnosis of a failed run;
 * the learner finishing ends the run; a learner failure ends it too, unless
   ``learner_restarts`` are left: then the learner starts again with ``--resume`` while the
   workers keep running (they restart only if the learner cannot re-bind its trajectory port);

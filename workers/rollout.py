@@ -256,7 +256,6 @@ class RolloutWorker:
                 self._one_batch(sender, load_s, totals)
         finally:
             beating.set()
-            self.phase = liveness.STOPPING
             self._shutdown(sender)
         self.log.info("stopping: %s; sent %d trajectories", self.coord.stop_reason() or "signal",
                       totals["trajectories"])

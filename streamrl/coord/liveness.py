@@ -25,7 +25,6 @@ WAITING_ADMISSION = "waiting-admission"
 LOADING_WEIGHTS = "loading-weights"
 GENERATING = "generating"
 SENDING = "sending"
-STOPPING = "stopping"
 # Phases in which the worker computes: staying in one past deadlines.batch_s means it is stuck.
 WORKING_PHASES = (LOADING_WEIGHTS, GENERATING)
 
