@@ -8,7 +8,7 @@ PYTEST := $(BIN)/python -m pytest
 # Default tier: minutes on 2 cores. Slower tiers run in `make test-tiers` (CI runs both).
 DEFAULT_TIER := not slow and not vllm and not chaos and not gpu and not multinode and not heavy
 
-.PHONY: setup demo test test-tiers test-heavy test-all docs clean
+.PHONY: setup demo test test-tiers test-heavy test-all docs compose-test clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,12 @@ test-all: test test-tiers
 # docs/config.md from the field docstrings in streamrl/config.py (tests/test_config_reference.py checks it).
 docs: setup
 	$(BIN)/python tools/gen_config_reference.py
+
+# Docker for real (root): installs docker.io/debootstrap if missing, starts dockerd if none runs
+# (stopped again after), builds streamrl:cpu offline (docker/build-local.sh, cached under
+# /var/cache/streamrl-docker) and runs docker/compose.yaml and compose.multinode.yaml. docs/docker.md.
+compose-test: setup
+	$(PYTEST) -q -m compose tests/test_compose_run.py -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

