@@ -11,7 +11,10 @@ Many nodes: every host runs ``streamrl-launch`` with the same ``--run-id`` and
 ``--redis-url`` and its own ``--node-rank``/``--role``; the head (learner rank 0's host)
 stores the config, the learner advertises its trajectory endpoint in Redis, workers on
 other hosts find it there. ``--dry-run`` prints processes, devices and endpoints.
-Exit code: 0 when this host's part finished; 1 naming the part that failed; 2 for bad input.
+Exit codes: 0 this host's part finished; 2 a bad flag, config or placement (nothing started);
+3 a fault it gave up on (the diagnosis block names what failed first, its log's last lines and
+the resume command); 130 stopped by Ctrl-C after a clean checkpoint (143: SIGTERM). Every wait
+has a deadline (config section ``deadlines``); faults and their knobs: docs/faults.md.
 """
 from __future__ import annotations
 

@@ -15,12 +15,14 @@ from pathlib import Path
 
 from streamrl.config import ConfigError, config_from_dict
 from streamrl.coord.coordinator import Coordinator
+from streamrl.launcher.diagnosis import EXIT_CONFIG, EXIT_FAULT, EXIT_OK, diagnosis, resume_command
 from streamrl.launcher.launch import BASE_ENV, Launch, make_plan
 from streamrl.launcher.process import ManagedProcess
 from streamrl.launcher.redis_server import RedisServer
 from streamrl.launcher.runstate import LaunchError, RunState, redact
 from streamrl.launcher.progress import Progress
 from streamrl.launcher.supervisor import Supervisor, exit_report, signal_name
+from streamrl.launcher.watchdog import Watchdog
 from streamrl.roles.launch import role_processes
 
 
@@ -46,7 +48,7 @@ def execute(launch: Launch) -> int:
         if server:
             server.stop()
         print(f"streamrl-launch: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except BaseException:
         if server:
             server.stop()
@@ -62,7 +64,8 @@ def execute(launch: Launch) -> int:
                      learner_restarts=args.learner_restarts,
                      learner_restart_cmd=launch.learner_cmd(url, resume=True) if learner else None,
                      single_host=not launch.multi, stop_grace_s=args.stop_grace, park_timeout_s=args.wait_timeout,
-                     progress=progress)
+                     progress=progress, watchdog=Watchdog(state, launch.cfg.deadlines.stuck_s,
+                                                          launch.cfg.deadlines.batch_s, _say))
     state.set_host(launch.host, "running")
     old = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -111,7 +114,19 @@ def _finish(launch: Launch, sup: Supervisor, learner, rollers, failures: list[st
         print(stopped_report(launch, sup.stop_signal), flush=True)
         if not failures:
             return 128 + sup.stop_signal  # the shell's convention: 130 after Ctrl-C
-    return 1 if failures else 0
+    if failures:
+        print(diagnosis(failures, sup.faults, _resume_hint(launch)), flush=True)
+        return EXIT_FAULT
+    return EXIT_OK
+
+
+def _resume_hint(launch: Launch) -> str | None:
+    """The resume command when the head host has a checkpoint to resume from (else None)."""
+    if not launch.head:
+        return resume_command(launch.argv) + "   (on the head host, which holds the checkpoint)"
+    from streamrl.learner.run_checkpoint import checkpoint_dir, latest_checkpoint  # noqa: PLC0415 (model stack)
+
+    return resume_command(launch.argv) if latest_checkpoint(checkpoint_dir(launch.cfg)) is not None else None
 
 
 def stopped_report(launch: Launch, signum: int) -> str:

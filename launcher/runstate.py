@@ -7,7 +7,8 @@ from a counter (ids stay unique however many hosts join), and restart their work
 the head restarts the learner (the ``epoch`` counter).
 
 Keys, all under the run's namespace ``streamrl:<run>:launch:``: ``worker_ids`` (counter),
-``epoch`` (learner incarnation), ``done`` (final reason), ``hosts`` (hash host -> state).
+``epoch`` (learner incarnation), ``done`` (final reason), ``hosts`` (hash host -> state),
+``stuck`` (hash process -> JSON of the last stall the launcher acted on: phase, since, why).
 """
 from __future__ import annotations
 
@@ -93,6 +94,14 @@ class RunState:
 
     def hosts(self) -> dict[str, str]:
         return self.r.hgetall(self.key("hosts"))
+
+    def record_stuck(self, process: str, report: str) -> None:
+        """Store the stall the launcher acted on for ``process`` (JSON), for ``streamrl-monitor``."""
+        self.r.hset(self.coord.keys.stuck, process, report)
+
+    def stuck(self) -> dict[str, str]:
+        """``process -> JSON`` of the last stall acted on per process."""
+        return self.r.hgetall(self.coord.keys.stuck)
 
     def wait_for_run(self, timeout_s: float, poll_s: float = 0.2) -> dict:
         """Non-head hosts: wait until the head stored the config of a live run; return it."""

@@ -5,6 +5,9 @@ Rules (one loop, 5 ticks a second):
 * a rollout worker that dies is restarted up to ``max_restarts`` with exponential backoff;
   one that exits because the run stopped is *parked*, and restarted only if the run goes on
   (the head restarted the learner: the run's ``epoch`` advanced);
+* a rollout worker that is alive but stuck (:mod:`streamrl.launcher.watchdog`: its heartbeat
+  stopped, or one batch outlasts ``deadlines.batch_s``) is reported and killed, then restarted
+  as a failed one; every abnormal exit or stall is recorded for the diagnosis of a failed run;
 * the learner finishing ends the run; a learner failure ends it too, unless
   ``learner_restarts`` are left: then the learner starts again with ``--resume`` while the
   workers keep running (they restart only if the learner cannot re-bind its trajectory port);
@@ -24,9 +27,11 @@ from pathlib import Path
 
 import redis
 
+from streamrl.launcher.diagnosis import Fault
 from streamrl.launcher.process import ManagedProcess
 from streamrl.launcher.progress import Progress
 from streamrl.launcher.runstate import RunState
+from streamrl.launcher.watchdog import Watchdog
 
 TICK_S = 0.2
 ENDPOINT_WATCH_S = 600.0
@@ -48,7 +53,11 @@ class Supervisor:
     park_timeout_s: float = 300.0
     progress: Progress | None = None
     """The live progress line (head host only)."""
+    watchdog: Watchdog | None = None
+    """Stuck detection for the rollout workers (restarts the ones whose progress stopped)."""
     failures: list[str] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    """Every abnormal exit or stall, in the order seen (the diagnosis names the first)."""
     interrupted: list[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -61,6 +70,9 @@ class Supervisor:
 
     def on_signal(self, signum, frame) -> None:
         self.interrupted.append(signum)
+
+    def _fault(self, p: ManagedProcess, what: str) -> None:
+        self.faults.append(Fault(time.time(), p.name, what, p.log_path))
 
     def say(self, msg: str) -> None:
         print(f"streamrl-launch: {msg}", flush=True)
@@ -97,6 +109,9 @@ class Supervisor:
             stop = self.coord.stop_reason()
             if self._follow_run():
                 return True
+            if self.watchdog is not None and stop is None:
+                for p, why in self.watchdog.check(self.rollers):
+                    self._fault(p, why)
         except redis.RedisError as e:
             if self.seen_stop:
                 return True  # the head's Redis went away after the run stopped
@@ -117,6 +132,7 @@ class Supervisor:
             return False
         if rc == 0:
             return True
+        self._fault(self.learner, f"exited with code {rc}")
         if self.head and self.learner.restarts < self.learner_restarts:
             self._restart_learner(rc)
             return False
@@ -150,7 +166,9 @@ class Supervisor:
                 r.exit_codes.append(code)
                 r.proc = None
                 r.parked_since = now
-            elif r.schedule_restart():
+                return
+            self._fault(r, f"exited with code {code}")
+            if r.schedule_restart():
                 self.say(f"{r.name} exited with {code}; restart {r.restarts}/{r.max_restarts} "
                          f"in {r.backoff_s * 2 ** (r.restarts - 1):.0f} s")
             else:

@@ -648,6 +648,40 @@ class EnvConfig:
 
 
 @dataclass
+class DeadlinesConfig:
+    """How long each wait that can block a run may last; past it the process stops waiting with an
+    error naming itself, what it waited for and for how long (docs/faults.md lists every fault)."""
+
+    redis_outage_s: float = 60.0
+    """A Redis call retries a lost connection this long (a Redis restart costs a pause), then raises."""
+    heartbeat_s: float = 10.0
+    """A rollout worker silent this long counts as gone: the learner refunds the prompt groups it held."""
+    stuck_s: float = 60.0
+    """A supervised worker whose heartbeat stopped this long (alive but frozen) is reported and restarted."""
+    batch_s: float = 1800.0
+    """A worker that stays generating (or loading weights) one batch this long is reported stuck and restarted."""
+    admission_s: float = 1800.0
+    """A worker refused admission (no prompt-group reservation) this long fails naming the learner's version."""
+    deliver_s: float = 900.0
+    """A worker blocked sending one batch (credits or retention full: the learner stopped reading) this long fails."""
+    endpoint_s: float = 300.0
+    """A process waits this long for an endpoint (the learner's trajectory socket, a role server) in Redis."""
+    reward_s: float = 30.0
+    """Each call of a reward plug-in ('module:function'); past it the sample scores 0 and counts in rollout/reward_timeouts."""
+    collective_s: float = 1800.0
+    """The learner's process-group timeout: a collective waiting this long on a missing rank fails the job."""
+    data_s: float = 600.0
+    """The learner waits this long for a complete batch (no worker delivers) before it stops the run as starved."""
+
+    def validate(self, p: str) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _check(value > 0, f"{p}.{f.name}", value, "must be > 0")
+        _check(self.stuck_s >= self.heartbeat_s, f"{p}.stuck_s", self.stuck_s,
+               f"must be >= deadlines.heartbeat_s = {self.heartbeat_s} (a worker is gone before it is restarted)")
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -663,6 +697,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    deadlines: DeadlinesConfig = field(default_factory=DeadlinesConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

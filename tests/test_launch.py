@@ -155,8 +155,11 @@ def test_learner_failure_stops_run_with_named_failure(tmp_path, repo, python, re
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 1
+    assert proc.returncode == 3, out  # a fault it gave up on
     assert "FAILED: learner exited with code 1" in out, out
+    # the diagnosis: the first fault, the tail of its log, the resume command
+    assert "first fault: learner exited with code 1" in out and "last lines of" in out, out
+    assert "resume: streamrl-launch" in out or "no checkpoint yet" in out, out
     assert not Path(f"/proc/{worker_pid}").exists() or "zombie" in Path(f"/proc/{worker_pid}/status").read_text()
 
 

@@ -49,9 +49,9 @@ def gated_worker(repo, tmp_path, redis_url: str, run_id: str, gate_s: float, ove
 def test_worker_beats_while_a_batch_outlasts_the_ttl(repo, tmp_path, redis_url, run_id, monkeypatch):
     from streamrl.workers import rollout  # noqa: PLC0415 (installed layout of workers/)
 
-    monkeypatch.setattr(rollout, "HEARTBEAT_TTL_S", TTL_S)
     monkeypatch.setattr(rollout, "HEARTBEAT_S", TTL_S / 5)
-    coord, worker, gate = gated_worker(repo, tmp_path, redis_url, run_id, gate_s=30)
+    coord, worker, gate = gated_worker(repo, tmp_path, redis_url, run_id, gate_s=30,
+                                       overrides=(f"deadlines.heartbeat_s={TTL_S}",))
     cfg = worker.cfg
     runner = threading.Thread(target=worker.run, daemon=True)
     runner.start()

@@ -18,6 +18,7 @@ import socket
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -48,7 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--config", help="YAML config; default: the config stored in Redis by the launcher")
     p.add_argument("--bind-host", default="127.0.0.1", help="address the trajectory socket binds")
     p.add_argument("--advertise-host", default=None, help="address workers connect to (default: bind host)")
-    p.add_argument("--starve-timeout", type=float, default=600.0, help="fail if no data arrives for this long")
+    p.add_argument("--starve-timeout", type=float, default=None,
+                   help="stop if no complete batch arrives for this long (default: deadlines.data_s)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from a checkpoint directory, or 'latest' under checkpoint.dir (default when no value)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
@@ -158,10 +160,7 @@ def _setup(args):
     # checkpoint then would race the new learner reading it
     die_with_parent_if_launched(signal.SIGKILL)
     limit_threads()
-    if "RANK" in os.environ and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and os.environ.get("STREAMRL_BACKEND") != "gloo" else "gloo"
-        dist.init_process_group(backend)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = int(os.environ.get("RANK", "0"))
     log = setup_logging(f"learner[{rank}]")
     coord = Coordinator(args.redis_url, args.run_id)
     if args.config:
@@ -172,6 +171,10 @@ def _setup(args):
             log.error("no config in Redis for run %s and no --config given", args.run_id)
             return rank, log, coord, None
         cfg = config_from_dict(stored)
+    coord.set_outage_s(cfg.deadlines.redis_outage_s)
+    if "RANK" in os.environ and not dist.is_initialized():  # after the config: its collective deadline
+        backend = "nccl" if torch.cuda.is_available() and os.environ.get("STREAMRL_BACKEND") != "gloo" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.deadlines.collective_s))
     if cfg.learner.device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     seed_everything(cfg.run.seed)
@@ -186,7 +189,8 @@ def _bind(args, cfg, coord, log):
                               coord if args.resume else None, log)
     endpoint = f"tcp://{advertise}:{receiver.endpoint.rsplit(':', 1)[1]}"
     coord.set_endpoint("trajectories", endpoint)
-    intake = Intake(cfg, coord, receiver, checkpoint_dir(cfg), endpoint, args.starve_timeout)
+    intake = Intake(cfg, coord, receiver, checkpoint_dir(cfg), endpoint,
+                    args.starve_timeout if args.starve_timeout is not None else cfg.deadlines.data_s)
     # Data plane from cfg.weights (auto: shm for this host's workers, ZeroMQ for other hosts).
     publisher = make_publisher(coord, args.run_id, cfg, bind_host=args.bind_host, advertise_host=advertise)
     log.info("trajectory endpoint %s", endpoint)

@@ -30,7 +30,9 @@ import time
 import torch
 
 from streamrl.config import Config, config_from_dict
+from streamrl.coord import liveness
 from streamrl.coord.coordinator import Coordinator
+from streamrl.coord.liveness import DeadlineExceeded
 from streamrl.core_lending import make_core_borrower
 from streamrl.engines.factory import build_engine
 from streamrl.engines.hf import HFEngine
@@ -42,6 +44,7 @@ from streamrl.roles.launch import reward_role_configured
 from streamrl.roles.reward_wire import ENDPOINT as REWARD_ENDPOINT
 from streamrl.rollout.factory import build_roller, run_reward
 from streamrl.rollout.metrics import versions_spanned
+from streamrl.rollout.timed_reward import reward_timeouts
 from streamrl.rollout.prompts import PromptEncoder
 from streamrl.tasks import build_task
 from streamrl.tasks.sources import build_prompt_source
@@ -52,7 +55,6 @@ from streamrl.weights.factory import make_subscriber
 from streamrl.weights.layout import ChecksumError
 
 HEARTBEAT_S = 1.0
-HEARTBEAT_TTL_S = 10.0  # a worker silent for this long is gone: the learner refunds its reservations
 # Heartbeat states the learner reads: a worker "generating" holds reservations it will fill; one
 # "waiting_admission" holds none and is blocked (see streamrl.learner.intake's starvation refund).
 GENERATING, WAITING_ADMISSION = "generating", "waiting_admission"
@@ -91,6 +93,8 @@ class RolloutWorker:
         if stored is None:
             raise RuntimeError(f"no config in Redis for run {args.run_id}")
         self.cfg = cfg = config_from_dict(stored)
+        self.coord.set_outage_s(cfg.deadlines.redis_outage_s)
+        self.name = f"rollout-{self.wid}"
         if args.device:
             cfg.rollout.device = args.device
         self.incarnation = self.coord.next_incarnation(self.wid)
@@ -101,8 +105,9 @@ class RolloutWorker:
         self.reference, self.probes = self._parity_reference(model, task)
         problems = build_prompt_source(cfg, task, cfg.run.seed * 7919 + self.incarnation,
                                        self.wid, max(args.num_workers, self.wid + 1))
+        self.reward = run_reward(cfg, self._reward_endpoint())
         self.roller = build_roller(cfg, self.engine, self.tok, problems, worker_id=self.wid, next_id=self._next_id,
-                                   reward=run_reward(cfg, self._reward_endpoint()),
+                                   reward=self.reward,
                                    before_turn=self.between_turns if cfg.rollout.inflight_updates else None,
                                    task=task)
         self.roles = trajectory_roles(cfg, self.coord)  # reference/critic servers, when placed apart (or None)
@@ -111,9 +116,12 @@ class RolloutWorker:
         self.counter = 0
         self.stopping = False
         self.state = "starting"
+        self.phase, self.phase_since = liveness.STARTING, time.time()
+        self.progress = {"batches": 0, "trajectories": 0, "tokens": 0}  # grows while the worker works
         self.threads = torch.get_num_threads()  # read here: the heartbeat thread's own count is not this one
         self.host = socket.gethostname()
         self._last_poll = 0.0
+        self._refused_since: float | None = None  # monotonic time admission was first refused in a row
         self.inflight_loads = 0
         # decode with the colocated CPU learner's cores while it waits for data (streamrl.core_lending)
         self.borrower = make_core_borrower(cfg, self.coord)
@@ -133,7 +141,7 @@ class RolloutWorker:
         """The reward-model role's address, re-read after its restarts; None when no role scores."""
         if not reward_role_configured(self.cfg):
             return None
-        self.coord.wait_endpoint(REWARD_ENDPOINT, timeout_s=600)
+        self.coord.wait_endpoint(REWARD_ENDPOINT, timeout_s=self.cfg.deadlines.endpoint_s)
         return lambda: self.coord.get_endpoint(REWARD_ENDPOINT)
 
     def _next_id(self) -> int:
@@ -198,9 +206,12 @@ class RolloutWorker:
         seqs, starts = self.probes
         return mismatch_metrics(self.engine.score(seqs, starts), self.reference.score(seqs, starts))
 
-    def heartbeat(self, state: str) -> None:
-        """Record ``state``; the heartbeat thread reports it (and sends one now)."""
+    def heartbeat(self, state: str, phase: str | None = None) -> None:
+        """Record ``state`` (what the learner reads: does the worker hold a reservation) and the
+        ``phase`` (:mod:`streamrl.coord.liveness`: what stall detection reads); send one now."""
         self.state = state
+        if phase is not None and phase != self.phase:
+            self.phase, self.phase_since = phase, time.time()
         self._send_heartbeat()
 
     def _send_heartbeat(self) -> None:
@@ -209,7 +220,8 @@ class RolloutWorker:
             "version": self.subscriber.loaded_version, "state": self.state, "incarnation": self.incarnation,
             "engine": self.cfg.rollout.engine,
             "threads": self.threads,  # what a colocated CPU learner may borrow while this worker waits
-        }, ttl_s=HEARTBEAT_TTL_S)
+            "phase": self.phase, "phase_since": self.phase_since, **self.progress,
+        }, ttl_s=self.cfg.deadlines.heartbeat_s)
 
     def _heartbeat_loop(self, done: threading.Event) -> None:
         """Beat every ``HEARTBEAT_S`` from a thread: one batch at real lengths (and the first
@@ -223,7 +235,7 @@ class RolloutWorker:
 
     def run(self) -> int:
         rc = self.cfg.rollout
-        endpoint = self.coord.wait_endpoint("trajectories")
+        endpoint = self.coord.wait_endpoint("trajectories", timeout_s=self.cfg.deadlines.endpoint_s)
         sender = TrajectorySender(endpoint, self.wid, hwm=self.cfg.transport.hwm,
                                   retain_bytes=self.cfg.transport.retain_bytes)
         self.log.info("connected to %s (incarnation %d, engine %s)", endpoint, self.incarnation, rc.engine)
@@ -233,15 +245,9 @@ class RolloutWorker:
         threading.Thread(target=self._heartbeat_loop, args=(beating,), name="heartbeat", daemon=True).start()
         try:
             while not self.stopping and self.coord.stop_reason() is None:
-                if not self.coord.try_reserve(rc.prompts_per_batch, self.cfg.learner.max_staleness,
-                                              self.cfg.learner.groups_per_step):
-                    if self.state != WAITING_ADMISSION:
-                        self.heartbeat(WAITING_ADMISSION)
-                    sender.service()  # acks; resends what a restarted learner lost
-                    time.sleep(0.02)
-                    totals["wait_s"] += 0.02
+                if not self._admitted(sender, totals):
                     continue
-                self.heartbeat(GENERATING)
+                self.heartbeat(GENERATING, liveness.LOADING_WEIGHTS)
                 load_s = self.sync_weights()
                 if self.subscriber.loaded_version < 0:
                     self.coord.refund(rc.prompts_per_batch)
@@ -255,10 +261,45 @@ class RolloutWorker:
                       totals["trajectories"])
         return 0
 
+    def _admitted(self, sender: TrajectorySender, totals: dict) -> bool:
+        """One admission attempt: True once a batch's prompt groups are reserved. Refused: service
+        the sender (acks, resends), wait a moment; refused for ``deadlines.admission_s`` in a row
+        raises :class:`DeadlineExceeded` naming the learner's version (it made no progress)."""
+        rc, lc = self.cfg.rollout, self.cfg.learner
+        if self.coord.try_reserve(rc.prompts_per_batch, lc.max_staleness, lc.groups_per_step):
+            self._refused_since = None
+            return True
+        now = time.monotonic()
+        if self._refused_since is None:
+            self._refused_since = now
+        if self.state != WAITING_ADMISSION:
+            self.heartbeat(WAITING_ADMISSION, liveness.WAITING_ADMISSION)
+        if now - self._refused_since > self.cfg.deadlines.admission_s:
+            raise DeadlineExceeded(self.name, f"admission of {rc.prompts_per_batch} prompt groups (the learner "
+                                   f"stayed at version {self.coord.current_version()})", now - self._refused_since,
+                                   f"deadlines.admission_s = {self.cfg.deadlines.admission_s:g} s")
+        sender.service()  # acks; resends what a restarted learner lost
+        time.sleep(0.02)
+        totals["wait_s"] += 0.02
+        return False
+
+    def _send(self, sender: TrajectorySender, td) -> None:
+        """Send one batch, waiting out backpressure (credits, retention) up to ``deadlines.deliver_s``."""
+        t0 = time.monotonic()
+        while not sender.send(td, timeout_s=1.0):  # blocked by backpressure
+            if self.coord.stop_reason() is not None or self.stopping:
+                return
+            waited = time.monotonic() - t0
+            if waited > self.cfg.deadlines.deliver_s:
+                raise DeadlineExceeded(self.name, "the learner to accept a batch (send credits or retention full)",
+                                       waited, f"deadlines.deliver_s = {self.cfg.deadlines.deliver_s:g} s")
+            self.heartbeat("backpressure", liveness.SENDING)
+
     def _one_batch(self, sender: TrajectorySender, load_s: float, totals: dict) -> None:
         """Generate one batch with the loaded version, send it (waiting out backpressure) and
         write its figures; ``totals`` accumulates the worker's counters."""
         t_gen = time.perf_counter()
+        self.heartbeat(GENERATING, liveness.GENERATING)
         hook = self._step_hook if self.borrower is not None else (
             self.between_steps if self.cfg.rollout.inflight_updates else None)
         try:
@@ -269,13 +310,12 @@ class RolloutWorker:
         gen_s = time.perf_counter() - t_gen
         if self.roles is not None:
             td = self.roles(td)
-        while not sender.send(td, timeout_s=1.0):  # blocked by backpressure
-            if self.coord.stop_reason() is not None or self.stopping:
-                break
-            self.heartbeat("backpressure")
+        self._send(sender, td)
         n_tok = int(td["response_lens"].sum())
         totals["tokens"] += n_tok
         totals["trajectories"] += int(td["reward"].numel())
+        self.progress = {"batches": self.progress["batches"] + 1, "trajectories": totals["trajectories"],
+                         "tokens": totals["tokens"]}
         elapsed = time.perf_counter() - totals["t_start"]
         self.metrics.write({
             "rollout/tokens_per_s_batch": n_tok / max(gen_s, 1e-9),
@@ -287,6 +327,7 @@ class RolloutWorker:
             "rollout/admission_wait_s": totals["wait_s"],
             "rollout/tokens_per_s": totals["tokens"] / max(elapsed, 1e-9),
             "rollout/inflight_loads": self.inflight_loads,
+            "rollout/reward_timeouts": reward_timeouts(self.reward.fns),  # plug-in calls past deadlines.reward_s
             **sender.stats(),  # transport/produced, retained and resent messages, ...
             **self.subscriber.timings,  # weights/transfer_s, verify_s, load_s of the newest load
             **self.roller.last_metrics,  # rollout/truncated, env/... of multi-turn episodes

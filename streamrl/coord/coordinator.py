@@ -128,6 +128,11 @@ class Coordinator:
         self.last_published: tuple[int, dict[str, Any]] | None = None
         """(version, manifest) of the newest :meth:`publish_version` call, for :meth:`reassert_version`."""
 
+    def set_outage_s(self, outage_s: float) -> None:
+        """Bound each Redis call's retries of a lost connection by ``outage_s`` from now on (the run
+        config's ``deadlines.redis_outage_s``, known only after the config was read from Redis)."""
+        self.r.set_retry(OutageRetry(self.url, outage_s))
+
     # -- run metadata -------------------------------------------------------------------
     def put_config(self, cfg: dict[str, Any]) -> None:
         self.r.set(self.keys.config, json.dumps(cfg))
@@ -278,7 +283,7 @@ class Coordinator:
         """The endpoint published under ``name`` now, or None (no waiting)."""
         return self.r.get(self.keys.endpoint(name))
 
-    def wait_endpoint(self, name: str, timeout_s: float = 120.0) -> str:
+    def wait_endpoint(self, name: str, timeout_s: float = 300.0) -> str:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             ep = self.get_endpoint(name)
@@ -287,7 +292,8 @@ class Coordinator:
             if self.stop_reason() is not None:
                 raise RuntimeError(f"run stopped before endpoint {name!r} appeared")
             time.sleep(0.1)
-        raise TimeoutError(f"endpoint {name!r} not published in Redis within {timeout_s:.0f} s")
+        raise TimeoutError(f"endpoint {name!r} not published in Redis within {timeout_s:.0f} s "
+                           f"(deadlines.endpoint_s)")
 
     # -- workers -----------------------------------------------------------------------------
     def next_incarnation(self, worker_id: int) -> int:

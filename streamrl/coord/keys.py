@@ -48,6 +48,10 @@ class Keys:
         return self._k("heartbeat", worker_id)
 
     @property
+    def stuck(self) -> str:  # hash process -> JSON of the last stall a launcher acted on (phase, since, why)
+        return self._k("launch", "stuck")
+
+    @property
     def reserved(self) -> str:  # int: prompt groups reserved by workers (admission control)
         return self._k("capacity", "reserved")
 

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from streamrl.coord.liveness import stall
 from streamrl.monitor.learning import learning_section
 from streamrl.roles.names import REWARD, ROLE_SERVERS
 
@@ -330,6 +331,8 @@ class SnapshotBuilder:
                 status = "restarting"  # a new process registered and has not heartbeated yet
             elif hb is None:
                 status = "exited" if state.stop is not None else "dead"
+            elif self._stall(state, hb, now) is not None:
+                status = "stuck"
             elif now - hb.get("time", 0.0) > self.thresholds.stale_heartbeat_s:
                 status = "stale"
             else:
@@ -343,10 +346,20 @@ class SnapshotBuilder:
                 "tokens_per_s": rate["rate"] if rate else (latest.get("rollout/tokens_per_s") if status == "alive" else 0.0),
                 "heartbeat_age_s": now - hb["time"] if hb and "time" in hb else None,
                 "status": status, "incarnation": inc, "restarts": max(inc - 1, 0),
+                "phase": hb.get("phase") if hb else None,
+                "phase_s": now - hb["phase_since"] if hb and "phase_since" in hb else None,
             })
+            if f"rollout-{wid}" in state.stuck:  # the last stall a launcher acted on (it restarted it)
+                rows[-1]["stuck"] = state.stuck[f"rollout-{wid}"]
             if INFLIGHT_KEY in latest:
                 rows[-1]["inflight_loads"] = latest[INFLIGHT_KEY]
         return rows
+
+    @staticmethod
+    def _stall(state, hb: dict, now: float):
+        """:func:`streamrl.coord.liveness.stall` with the run's deadlines (the launcher's rule)."""
+        d = state.config.get("deadlines") or {}
+        return stall(hb, now, float(d.get("stuck_s", 60.0)), float(d.get("batch_s", 1800.0)))
 
     def _history(self, learner, workers, t_hi) -> dict[str, list[float | None]]:
         """Sparkline series: ``spark_bins`` bins of ``spark_bin_s`` ending at ``t_hi``."""

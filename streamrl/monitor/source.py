@@ -92,6 +92,7 @@ class State:
     latest: dict[str, dict[str, float]] = field(default_factory=dict)
     weight_timings: dict[int, dict[str, float]] = field(default_factory=dict)  # worker -> last fetch stages
     config: dict[str, Any] = field(default_factory=dict)  # the run's stored config (read once)
+    stuck: dict[str, dict[str, Any]] = field(default_factory=dict)  # process -> last stall a launcher acted on
 
 
 class RunSource:
@@ -130,15 +131,17 @@ class RunSource:
         pipe.get(k.version)
         pipe.get(k.stop)
         pipe.smembers(k.processes)
+        pipe.hgetall(k.stuck)
         for w in ids:
             pipe.get(k.heartbeat(w))
             pipe.get(k.incarnation(w))
         res = pipe.execute()
         version = int(res[0]) if res[0] is not None else -1
         stop, procs = res[1], sorted(res[2])
+        stuck = {p: _json_or_none(v) or {} for p, v in res[3].items()}
         heartbeats, incarnations = {}, {}
         for i, w in enumerate(ids):
-            hb, inc = res[3 + 2 * i], res[4 + 2 * i]
+            hb, inc = res[4 + 2 * i], res[5 + 2 * i]
             heartbeats[w] = _json_or_none(hb)
             incarnations[w] = int(inc) if inc else 0
         timings_key = getattr(k, "weights_timings", None)  # schema of streamrl.weights, when present
@@ -153,7 +156,8 @@ class RunSource:
         if self._config is None:  # the config does not change during a run: one read
             self._config = _json_or_none(self._r.get(k.config)) or {}
         return State(time=time.time(), version=version, stop=stop, heartbeats=heartbeats,
-                     incarnations=incarnations, latest=latest, weight_timings=timings, config=self._config)
+                     incarnations=incarnations, latest=latest, weight_timings=timings, config=self._config,
+                     stuck=stuck)
 
     def _read_stream(self) -> None:
         k = self.keys

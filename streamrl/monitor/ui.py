@@ -18,7 +18,8 @@ from rich.text import Text
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 LEVEL_STYLE = {"ok": "green", "warn": "yellow", "bad": "bold red", "n/a": "dim"}
-STATUS_STYLE = {"alive": "green", "stale": "yellow", "restarting": "cyan", "dead": "bold red", "exited": "dim"}
+STATUS_STYLE = {"alive": "green", "stale": "yellow", "restarting": "cyan", "dead": "bold red", "exited": "dim",
+                "stuck": "bold red"}
 
 
 def fmt(v: Any, unit: str = "", digits: int = 3) -> str:
@@ -260,11 +261,14 @@ def workers_panel(s: dict) -> Panel:
         t.add_row(str(w["id"]), w.get("host") or "-", w.get("device") or "-", fmt(w.get("version")),
                   fmt(w.get("lag")), fmt(w.get("tokens_per_s")), "-" if age is None else f"{age:.1f}s",
                   Text(w["status"], style=STATUS_STYLE.get(w["status"], "")),
-                  *([fmt(w.get("inflight_loads"))] if inflight else []), w.get("state") or "-",
+                  *([fmt(w.get("inflight_loads"))] if inflight else []), w.get("phase") or w.get("state") or "-",
                   str(w.get("restarts", 0)))
     if not s["workers"]:
         t.add_row("-", "no rollout workers registered", *[""] * 8)
-    return Panel(t, title=f"Workers ({len(s['workers'])})", box=box.SQUARE)
+    stuck = [Text(f"rollout-{w['id']} was stuck in phase {w['stuck'].get('phase')} since "
+                  f"{time.strftime('%H:%M:%S', time.localtime(w['stuck'].get('since', 0)))}: {w['stuck'].get('why')}; "
+                  f"restarted", style="red") for w in s["workers"] if w.get("stuck")]
+    return Panel(Group(t, *stuck), title=f"Workers ({len(s['workers'])})", box=box.SQUARE)
 
 
 def header(s: dict | None, url: str, error: str | None, now: float | None = None) -> Text:

@@ -12,16 +12,20 @@ from streamrl.config import Config
 from streamrl.rewards import CombinedReward, build_reward
 from streamrl.rollout.base import Roller
 from streamrl.rollout.batch import BatchRoller
+from streamrl.rollout.timed_reward import bound_plugins
 from streamrl.tasks import build_task
 from streamrl.tasks.truncation import zeroes_truncated
 
 
 def run_reward(cfg: Config, reward_endpoint: Callable[[], str | None] | None = None) -> CombinedReward:
     """The run's reward (``rollout.rewards`` over the configured task); ``reward_endpoint``: the
-    reward-model role's address, re-read after its restarts (:mod:`streamrl.roles`)."""
+    reward-model role's address, re-read after its restarts (:mod:`streamrl.roles`). Plug-ins
+    run under ``deadlines.reward_s`` (:mod:`streamrl.rollout.timed_reward`)."""
     rc = cfg.rollout
-    return build_reward(rc.rewards, build_task(cfg.task), rc.reward_model, rc.reward_model_device,
-                        reward_endpoint=reward_endpoint)
+    reward = build_reward(rc.rewards, build_task(cfg.task), rc.reward_model, rc.reward_model_device,
+                          reward_endpoint=reward_endpoint)
+    reward.fns = bound_plugins(reward.names, reward.fns, cfg.deadlines.reward_s)
+    return reward
 
 
 def build_roller(cfg: Config, engine, tok, problems: Iterator[Any], *, worker_id: int,
