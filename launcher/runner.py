@@ -1,4 +1,4 @@
-"""Carry out a prepared :class:`~streamrl.launcher.launch.Launch` on this host.
+"""Carry out a prepared :class:`~streamrl.launcher.plan.Launch` on this host.
 
 Head host: start the embedded Redis (if no URL), reset the run's namespace, store the
 config, start its learner part and workers. Other hosts: wait for the head's config in
@@ -16,7 +16,7 @@ from pathlib import Path
 from streamrl.config import ConfigError, config_from_dict
 from streamrl.coord.coordinator import Coordinator
 from streamrl.launcher.diagnosis import EXIT_CONFIG, EXIT_FAULT, EXIT_OK, diagnosis, resume_command
-from streamrl.launcher.launch import BASE_ENV, Launch, make_plan
+from streamrl.launcher.plan import BASE_ENV, Launch, make_plan
 from streamrl.launcher.process import ManagedProcess
 from streamrl.launcher.redis_server import RedisServer
 from streamrl.launcher.runstate import LaunchError, RunState, redact

@@ -5,8 +5,7 @@ Imports under ``if TYPE_CHECKING:`` are skipped: they never run. Two graphs are 
 
 * module-level imports only: a cycle there makes import order matter; none is allowed;
 * every import, also those inside functions: hiding one edge of a cycle in a function does not
-  untangle the two modules, so such cycles fail too, except the TEMPORARY ``PENDING`` ones
-  below, which their owners are resolving.
+  untangle the two modules, so such cycles fail too.
 """
 from __future__ import annotations
 
@@ -15,12 +14,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = {"streamrl": "streamrl", "workers": "streamrl.workers", "launcher": "streamrl.launcher"}
-
-# TEMPORARY: cycles through a function-level import that their owners are resolving. Empty it.
-PENDING = {
-    frozenset({"streamrl.launcher.launch", "streamrl.launcher.runner"}),
-}
-
 
 def package_modules() -> dict[str, tuple[Path, bool]]:
     """``{dotted module name: (file, is_package)}`` for every .py file under the roots."""
@@ -141,16 +134,10 @@ def test_no_module_level_import_cycle():
 
 
 def test_no_import_cycle_through_function_level_imports():
-    found = [c for c in cycles(import_graph(into_functions=True)) if frozenset(c) not in PENDING]
+    found = [c for c in cycles(import_graph(into_functions=True))]
     assert not found, _report(found)
 
 
 def test_graph_sees_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c", "a"]]
-
-
-def test_pending_cycles_still_exist():
-    """A resolved pending cycle must leave the list (so that it cannot come back unseen)."""
-    live = {frozenset(c) for c in cycles(import_graph(into_functions=True))}
-    assert not PENDING - live, f"resolved, remove from PENDING: {sorted(map(sorted, PENDING - live))}"

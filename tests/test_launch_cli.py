@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from streamrl.launcher import launch
+from streamrl.launcher import launch, plan
 
 
 def dry(capsys, *argv) -> dict:
@@ -98,7 +98,7 @@ def test_placement_in_config_file_is_checked(capsys, tmp_path, repo):
 
 def test_gpu_placement_reaches_processes_through_env_and_flags(capsys, monkeypatch):
     """On a (pretend) 4-GPU host: learner ranks on GPUs 0-1, workers on 2 and 3 and one on CPU."""
-    monkeypatch.setattr(launch, "_gpu_info", lambda cfg: (4, ["4", "5", "6", "7"]))
+    monkeypatch.setattr(plan, "_gpu_info", lambda cfg: (4, ["4", "5", "6", "7"]))
     out = dry(capsys, "--place", "learner=cuda:0-1", "--place", "rollout=cuda:2,cuda:3,cpu", "--rollers", "3")
     lrn, *rolls = out["processes"]
     assert torchrun_args(lrn["cmd"]) == ["--standalone", "--nproc-per-node=2"]
