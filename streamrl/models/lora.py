@@ -20,15 +20,20 @@ families whose projections are not ``nn.Linear`` [out, in] (``gpt2``'s ``Conv1D`
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from torch import nn
+from transformers import AutoModelForCausalLM
 
-from streamrl.config import LoraConfig
+from streamrl.config import LoraConfig, ModelConfig
 from streamrl.errors import ConfigError
+from streamrl.models.factory import tiny_moe_config
+from streamrl.models.sharded_load import build_empty_model, params_on_meta
+from streamrl.models.tokenizer import build_char_tokenizer
 
 ADAPTER_NAME = "default"
 SCALING_NAME = "lora.scaling"
@@ -137,3 +142,23 @@ def group_adapters(named: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tens
     if incomplete:
         raise ValueError(f"adapter version: {incomplete[0]} has only {sorted(pairs[incomplete[0]])}")
     return {n: (d["lora_A"], d["lora_B"]) for n, d in pairs.items()}
+
+
+def lora_problems(model_cfg: ModelConfig, folder: Path | None) -> list[str]:
+    """One line per problem of ``model.lora`` against the model it adapts (none when LoRA is off):
+    the model is built on the meta device from ``folder``'s config.json (or the tiny model's
+    config), so nothing is read but the config."""
+    if not model_cfg.lora.active:
+        return []
+    if folder is None:
+        tok = build_char_tokenizer()
+        hf_cfg = tiny_moe_config(model_cfg, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+        with params_on_meta():
+            model = AutoModelForCausalLM.from_config(hf_cfg)
+    else:
+        model = build_empty_model(folder, torch.float32)
+    try:
+        lora_targets(model, model_cfg.lora)
+    except ConfigError as e:
+        return [str(e)]
+    return []
