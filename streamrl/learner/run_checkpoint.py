@@ -4,6 +4,8 @@ A checkpoint is a directory ``CKPT_DIR/step_00000012/`` holding
 
 * the DCP shards (every rank writes its own part in parallel): all parameters, **all**
   experts, AdamW state (step, exp_avg, exp_avg_sq), the router EMA, the optimizer step count;
+  with ``model.lora`` only the trained parameters (adapters, a value head) and their AdamW
+  state: the frozen base is read again from ``model.path`` (``Trainer.checkpointed_parameters``);
 * ``rng_rank{r}.safetensors`` + ``rng_rank{r}.json``: each rank's torch (CPU and CUDA) and
   Python RNG states;
 * ``learner_state.json`` (rank 0): step, version, data cursors and counters the caller passes,
