@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from streamrl.config import load_config
 from streamrl.learner.trainer import Trainer
 from streamrl.models.factory import build_model
-from streamrl.models.lora import SCALING_NAME
+from streamrl.models.lora import SCALING_NAME, head_weight, merged_weight
 
 from tests.dist_helpers import spawn_gloo
 
@@ -146,3 +146,21 @@ def test_kl_reference_is_the_frozen_base():
         assert torch.allclose(ref_logits, base(input_ids=PROBE, use_cache=False).logits, atol=1e-5, rtol=0)
         assert not torch.allclose(policy_logits, ref_logits)
     assert tr.step(make_batch(3, n=8))["learner/skipped_no_signal"] == 0.0
+
+
+def test_lm_head_adapter_reaches_the_chunked_logprob_head():
+    """The learner's log-probs read the head's weight (no lm_head call): with an adapted head
+    that weight must be W0 + scaling * B @ A, with gradients into A and B; the base when disabled."""
+    cfg = lora_cfg("model.lora.target_modules=[q_proj,lm_head]")
+    tr = Trainer(cfg)
+    values = adapter_values(cfg)
+    set_adapters(tr.model, values)
+    head = tr.model.get_output_embeddings()
+    a, b = (values[f"base_model.model.lm_head.lora_{k}.default.weight"] for k in "AB")
+    want = merged_weight(head.base_layer.weight, a, b, cfg.model.lora.alpha / cfg.model.lora.r)
+    w = head_weight(head)
+    assert torch.allclose(w, want, atol=1e-6, rtol=0)
+    w.sum().backward()
+    assert head.lora_A["default"].weight.grad is not None and head.lora_B["default"].weight.grad.abs().sum() > 0
+    with tr.lora.reference():
+        assert head_weight(head) is head.base_layer.weight

@@ -15,8 +15,10 @@ so an engine's weights and the exported folder are bit-identical.
 
 Refused (one-line :class:`~streamrl.errors.ConfigError` at load and at ``--dry-run``): a
 ``target_modules`` entry that matches no ``nn.Linear``, a match inside an MoE block (routed
-experts are fused 3-d parameters, the router drives the expert-parallel all-to-all), and
-families whose projections are not ``nn.Linear`` [out, in] (``gpt2``'s ``Conv1D``).
+experts are fused 3-d parameters, the router drives the expert-parallel all-to-all), the LM
+head of a model that ties it to the input embeddings, and families whose projections are not
+``nn.Linear`` [out, in] (``gpt2``'s ``Conv1D``). An untied ``lm_head`` may be adapted: the
+learner's chunked log-probs read its weight through :func:`head_weight`.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Iterator
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -64,6 +67,10 @@ def lora_targets(model: nn.Module, cfg: LoraConfig, field: str = "model.lora.tar
         if not hits:
             raise ConfigError(f"config field '{field}' = {cfg.target_modules!r}: {target!r} matches no "
                               f"nn.Linear of the {family} model")
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        if tied and any(m is model.get_output_embeddings() for n, m in model.named_modules() if n in hits):
+            raise ConfigError(f"config field '{field}' = {cfg.target_modules!r}: {target!r} is the LM head, whose "
+                              f"weight this model ties to the input embeddings (an adapter would move both)")
         moe = [n for n in hits if any(part in n for part in _MOE_PARTS)]
         if moe:
             raise ConfigError(f"config field '{field}' = {cfg.target_modules!r}: {target!r} matches MoE "
@@ -79,6 +86,23 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> PeftModel:
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                               bias="none", init_lora_weights=True)
     return get_peft_model(model, peft_cfg, adapter_name=ADAPTER_NAME)
+
+
+def head_weight(head: nn.Module) -> torch.Tensor:
+    """The LM head's weight [V, H] as its forward would apply it: ``W0 + scaling * B @ A`` while
+    a LoRA adapter is active (differentiable in A and B), else the plain weight.
+
+    For code that reads the head's weight instead of calling it (the learner's chunked
+    log-probs). Adapter dropout does not apply here (``model.lora.dropout`` is for the others).
+    """
+    if not isinstance(head, LoraLayer) or head.disable_adapters or head.merged:
+        return head.weight
+    w = head.base_layer.weight
+    for name in head.active_adapters:
+        if name in head.lora_A:
+            delta = head.lora_B[name].weight @ head.lora_A[name].weight * head.scaling[name]
+            w = w + delta.to(w.dtype)
+    return w
 
 
 def lora_scaling(cfg: LoraConfig) -> float:
