@@ -147,8 +147,9 @@ def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
     The one merge of the project (engines and the merged export), so both give the same bits.
     """
     dev = base.device
-    delta = (lora_b.to(dev, torch.float32) @ lora_a.to(dev, torch.float32)) * scaling
-    return (base.to(torch.float32) + delta).to(base.dtype)
+    merged = torch.addmm(base.to(torch.float32), lora_b.to(dev, torch.float32), lora_a.to(dev, torch.float32),
+                         alpha=scaling)  # one fused kernel: no [out, in] temporary for the delta
+    return merged.to(base.dtype)
 
 
 def group_adapters(named: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
