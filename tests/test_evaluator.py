@@ -26,7 +26,9 @@ def test_evaluate_reports_greedy_accuracy_and_pass_at_k(tiny):
     cfg, model, tok = tiny
     res = evaluate_config(model, tok, cfg)
     assert res["eval/n"] == 4
-    assert set(res) == {"eval/accuracy", "eval/reward_mean", "eval/n", "eval/pass@2", "eval/mean@2"}
+    assert set(res) == {"eval/accuracy", "eval/reward_mean", "eval/n", "eval/pass@2", "eval/mean@2", "eval/truncated",
+                        "eval/response_tokens_median", "eval/response_tokens_p90"}
+    assert 0 <= res["eval/truncated"] <= 1 and 1 <= res["eval/response_tokens_median"] <= cfg.rollout.max_new_tokens
     assert 0 <= res["eval/accuracy"] <= res["eval/reward_mean"] + 1e-9 <= 1 + 1e-9
     assert res == evaluate_config(model, tok, cfg)  # greedy and the seeded samples are reproducible
 
@@ -80,3 +82,38 @@ def test_run_with_eval_interval_writes_eval_rows(tmp_path, repo, python):
     assert summary["latest"] == evals[-1] and summary["evaluations"] == len(evals)
     assert summary["best"]["eval/accuracy"] == max(r["eval/accuracy"] for r in evals)
     assert (run_dir / "logs" / "evaluator.log").exists()
+
+
+def test_truncated_responses_score_zero_when_the_task_says_so_and_are_counted(tiny):
+    """The tiny random model never stops within 2 tokens: every response is cut, and counted."""
+    cfg, model, tok = tiny
+    problems = [Problem(f"{i}=", "x") for i in range(3)]
+    all_right = CombinedReward(["one"], [1.0], [lambda problem, response: 1.0])
+    kw = dict(chat_template=False, max_new_tokens=2)
+    kept = evaluate(model, tok, problems, all_right, **kw)
+    assert kept["eval/truncated"] == 1.0 and kept["eval/accuracy"] == 1.0  # the rule is the task's choice
+    zeroed = evaluate(model, tok, problems, all_right, truncated_scores_zero=True, **kw)
+    assert zeroed["eval/truncated"] == 1.0 and zeroed["eval/accuracy"] == 0.0
+
+
+def test_held_out_families_are_scored_apart():
+    """A reasoning-gym mix with a family training never sees reports it as its own set."""
+    cfg = load_config(None, ["task.name=reasoning_gym", "task.answer_format=think",
+                             "task.datasets={products: 1, chain_sum: {held_out: true}}", "eval.size=40"])
+    held = eval_set(cfg, build_task(cfg.task))
+    from streamrl.evaluate import set_accuracies
+
+    rewards = [1.0 if p.fields["held_out_family"] else 0.0 for p in held]
+    acc = set_accuracies(held, rewards)
+    assert acc["eval/accuracy/held_out_families"] == 1.0 and acc["eval/accuracy/trained_families"] == 0.0
+    assert acc["eval/n/held_out_families"] + acc["eval/n/trained_families"] == 40
+    assert acc["eval/accuracy/chain_sum"] == 1.0
+
+
+def test_eval_cli_scores_an_exported_folder_by_model(tmp_path, capsys):
+    from test_race import tiny_llama
+
+    folder = tiny_llama(tmp_path / "hf")
+    assert eval_main(["--config", "configs/tiny.yaml", "--model", str(folder), "--json", "eval.size=3"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["model"] == str(folder) and res["eval/n"] == 3

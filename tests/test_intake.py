@@ -12,7 +12,7 @@ from streamrl.config import load_config
 from streamrl.coord.coordinator import Coordinator
 from streamrl.learner.intake import Intake
 from streamrl.trajectory import concat_trajectories, make_id, pack_trajectories, split_trajectories
-from streamrl.transport.local import LocalFeed
+from tests.local_feed import LocalFeed
 
 GROUP = 4  # trajectories per group
 STEP = 2  # groups per step

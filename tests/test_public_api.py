@@ -26,14 +26,6 @@ ALLOWLIST = {
     "streamrl/coord/coordinator.py::OutageRetry.call_with_retry": "redis-py calls it around every command (an override)",
 }
 
-# TEMPORARY: unreached definitions their owners are moving or removing. Empty it.
-PENDING = {
-    "streamrl/parallel/expert_parallel.py::full_parameters",
-    "streamrl/transport/local.py::LocalFeed",
-    # the servers that allow-list CURVE clients (weights/zmq_plane.py, roles/) should stop their
-    # context's ZAP thread with it before ctx.term()
-    "streamrl/security.py::stop_authenticator",
-}
 
 
 def reached_names() -> set[str]:
@@ -90,18 +82,16 @@ def unreached() -> list[str]:
 
 
 def test_every_public_definition_is_reached_outside_tests():
-    new = [key for key in unreached() if key not in ALLOWLIST and key not in PENDING]
+    new = [key for key in unreached() if key not in ALLOWLIST]
     assert not new, ("public definitions that only tests (or nothing) use: move them to tests/, delete them, "
                      "make them private, or add documented user API to ALLOWLIST:\n  " + "\n  ".join(new))
 
 
 def test_lists_name_live_definitions():
-    """Entries whose definition is gone or now reached must leave ALLOWLIST / PENDING."""
+    """Allowlisted entries must name a public definition that exists."""
     keys = {key for key, _ in public_definitions()}
-    stale = sorted(k for k in {*ALLOWLIST, *PENDING} if k not in keys)
+    stale = sorted(k for k in ALLOWLIST if k not in keys)
     assert not stale, f"no such public definition, remove: {stale}"
-    done = sorted(set(PENDING) - set(unreached()))
-    assert not done, f"reached now, remove from PENDING: {done}"
 
 
 def test_allowlist_gives_reasons():

@@ -39,7 +39,7 @@ def test_single_turn_config_builds_the_batch_roller(repo):
     assert isinstance(roller, BatchRoller)
     validate_trajectories(td)
     assert td["reward"].numel() == 4 and set(td["policy_version"].tolist()) == {4}
-    assert metrics == {}
+    assert set(metrics) == {"rollout/truncated", "rollout/reward_errors"} and metrics["rollout/reward_errors"] == 0
 
 
 def test_env_config_builds_the_episode_roller(repo, monkeypatch):

@@ -11,6 +11,7 @@ from streamrl.engines.factory import build_engine
 from streamrl.engines.hf import HFEngine
 from streamrl.engines.parity import mismatch_metrics, probe_set
 from streamrl.models.factory import build_model
+from streamrl.rewards import register_reward
 from streamrl.rollout.factory import build_roller
 from streamrl.rollout.prompts import PromptEncoder
 from streamrl.tasks import get_task
@@ -109,3 +110,24 @@ def test_factory_builds_the_fast_hf_engine():
     assert isinstance(engine, FastHFEngine)
     gen = engine.generate([[5, 6, 7, 14]] * 6, max_new_tokens=3, temperature=1.0)
     assert len(gen.tokens) == 6 and all(len(t) == len(lp) for t, lp in zip(gen.tokens, gen.logprobs))
+
+
+def test_truncated_responses_score_zero_and_are_counted(repo, monkeypatch):
+    """With the task's rule on, a response that ran to max_new_tokens without EOS scores 0 even when
+    the task would pay it; the share of truncated responses is reported either way."""
+    monkeypatch.chdir(repo)
+    register_reward("pays_one")(lambda problem, response: 1.0)
+    cfg = _cfg("rollout.rewards=pays_one=1.0")  # the tiny model never emits EOS in 5 tokens
+    model, tok = build_model(cfg.model, seed=0)
+    engine = build_engine(cfg, model, tok)
+    task = get_task(cfg.task.name, num_digits=cfg.task.num_digits)
+    paid = build_roller(cfg, engine, tok, problem_stream(task, 0, 0, 1), worker_id=0)
+    td = paid.rollout_batch(version=0)
+    lens = td["response_lens"]
+    assert (lens == cfg.rollout.max_new_tokens).all()
+    assert paid.last_metrics["rollout/truncated"] == 1.0 and (td["reward"] == 1).all()
+    task.truncated_scores_zero = True
+    zeroed = build_roller(cfg, engine, tok, problem_stream(task, 0, 0, 1), worker_id=0, task=task)
+    td = zeroed.rollout_batch(version=0)
+    assert zeroed.last_metrics["rollout/truncated"] == 1.0
+    assert (td["reward"] == 0).all()

@@ -15,7 +15,7 @@ from streamrl.models.families import probe_ids, reference_logits
 from streamrl.models.moe import convert_moe_blocks
 from streamrl.models.sharded_load import has_meta_params
 from streamrl.models.tokenizer import build_char_tokenizer
-from streamrl.parallel.expert_parallel import full_parameters, parallelize
+from streamrl.parallel.expert_parallel import full_parameter, parallelize
 from streamrl.parallel.mesh import build_mesh
 from streamrl.utils import peak_rss_bytes
 
@@ -63,7 +63,7 @@ def _load_sharded(folder: Path, ep: int) -> dict:
     mesh = build_mesh(ep, "cpu", _num_experts(model.config))
     parallelize(model, mesh, torch.device("cpu"))
     assert not has_meta_params(model)
-    return {"params": dict(full_parameters(model, mesh)),
+    return {"params": {n: full_parameter(n, p, mesh) for n, p in model.named_parameters()},
             "logits": reference_logits(model, probe_ids(model.config.vocab_size)),
             "tied": model.lm_head.weight is model.model.embed_tokens.weight,
             "buffers": {n: b.clone() for n, b in model.named_buffers()}}

@@ -157,3 +157,70 @@ def test_smol_reasoning_recipe_mixes_its_datasets_on_held_out_items():
     assert all(p.fields["metadata"]["source_index"] % 2 == 1 for p in held)
     assert any(len(str(abs(int(p.answer)))) >= 3 for p in held)  # 3-digit operands
     assert any("*" in p.prompt for p in held)  # multiplication
+
+
+@pytest.mark.parametrize("response,expected,got", [
+    ("7 * 3 = 21, 21 + 4 = 25.\nAnswer: 25", "25", "25"),
+    ("first 12, then 14\n**Answer:** 14.", "14", "14"),
+    ("Answer: 3 cats and 2 ducks have 16 legs\nFinal answer: 16 legs", "16", "16"),
+    ("So, the answer is: 564.", "564", "564"),
+    ("To find the answer, add 3 and 4: 7", "7", None),  # "answer" without "is" / ":" states nothing
+    ("7 * 3 = 21, 21 + 4 = 25.", "25", None),  # no answer line: no answer, whatever the numbers
+    ("Answer:", "5", None),
+])
+def test_final_answer_reads_only_the_answer_line(response, expected, got):
+    from streamrl.tasks.answers import final_answer
+
+    assert final_answer(response, expected) == got
+
+
+def test_think_format_asks_for_reasoning_and_pays_only_the_final_line():
+    task = get_task("reasoning_gym", datasets={"products": {"max_digits": 2}}, answer_format="think")
+    p = task.sample(random.Random(0))
+    assert "Think step by step" in p.prompt and p.prompt.endswith("Answer: <answer>")
+    assert task.reward(p, f"Let me multiply.\nAnswer: {p.answer}") == 1.0
+    assert task.reward(p, f"Let me multiply: {p.answer}") == 0.0  # the right number, but no answer line
+    assert task.truncated_scores_zero
+    assert not get_task("reasoning_gym", datasets={"products": 1}).truncated_scores_zero
+
+
+def test_held_out_family_is_never_trained_but_evaluated():
+    task = get_task("reasoning_gym", datasets={"products": 1.0, "chain_sum": {"held_out": True, "weight": 1.0}})
+    stream = problem_stream(task, seed=0, shard=0, num_shards=1)
+    assert {next(stream).fields["source_dataset"] for _ in range(200)} == {"products"}
+    held = eval_problems(task, 0, 60)
+    assert {p.fields["source_dataset"] for p in held} == {"products", "chain_sum"}
+    assert all(p.fields["held_out_family"] == (p.fields["source_dataset"] == "chain_sum") for p in held)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("task.datasets={products: 1, chain_sum: {held_out: 1}}", "task.datasets.chain_sum.held_out = 1"),
+    ("task.datasets={chain_sum: {held_out: true}}", "every dataset is held_out"),
+])
+def test_held_out_option_errors_name_the_field(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["task.name=reasoning_gym", override])
+
+
+def test_truncated_response_scores_zero_and_is_counted():
+    from streamrl.tasks.truncation import apply_truncation_rule, is_truncated
+
+    eos = frozenset({2})
+    tokens = [[5, 6, 7, 8], [5, 6, 2], [5, 6, 7, 2], [5, 6]]  # cut, stopped, stopped at the limit, short
+    assert [is_truncated(t, eos, 4) for t in tokens] == [True, False, False, False]
+    rewards, cut = apply_truncation_rule([1.0, 1.0, 1.0, 0.5], tokens, eos, 4, True)
+    assert rewards == [0.0, 1.0, 1.0, 0.5] and sum(cut) == 1
+    assert apply_truncation_rule([1.0] * 4, tokens, eos, 4, False)[0] == [1.0] * 4
+    with pytest.raises(ValueError, match="3 rewards for 4 responses"):
+        apply_truncation_rule([1.0] * 3, tokens, eos, 4, True)
+
+
+def test_gpu_reasoning_recipe_thinks_and_holds_out_a_family():
+    from streamrl.tasks import build_task
+
+    cfg = load_config("configs/gpu-reasoning.yaml")
+    task = build_task(cfg.task)
+    assert cfg.rollout.max_new_tokens == cfg.eval.max_new_tokens == 1024 and task.truncated_scores_zero
+    held = eval_problems(task, cfg.run.seed, 80)
+    assert {p.fields["source_dataset"] for p in held} == set(cfg.task.datasets)
+    assert task.held_out_families == {"chain_sum"}

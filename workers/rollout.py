@@ -103,7 +103,8 @@ class RolloutWorker:
                                        self.wid, max(args.num_workers, self.wid + 1))
         self.roller = build_roller(cfg, self.engine, self.tok, problems, worker_id=self.wid, next_id=self._next_id,
                                    reward=run_reward(cfg, self._reward_endpoint()),
-                                   before_turn=self.between_turns if cfg.rollout.inflight_updates else None)
+                                   before_turn=self.between_turns if cfg.rollout.inflight_updates else None,
+                                   task=task)
         self.roles = trajectory_roles(cfg, self.coord)  # reference/critic servers, when placed apart (or None)
         self.subscriber = make_subscriber(self.coord, cfg, worker_id=self.wid)
         self.metrics = RateLimitedRedisSink(self.coord, f"rollout-{self.wid}")
@@ -288,7 +289,7 @@ class RolloutWorker:
             "rollout/inflight_loads": self.inflight_loads,
             **sender.stats(),  # transport/produced, retained and resent messages, ...
             **self.subscriber.timings,  # weights/transfer_s, verify_s, load_s of the newest load
-            **self.roller.last_metrics,  # env/... of multi-turn episodes
+            **self.roller.last_metrics,  # rollout/truncated, env/... of multi-turn episodes
             **versions_spanned(td["policy_version"], td["response_lens"]),  # in-flight drift
             **(self.borrower.metrics() if self.borrower is not None else {}),
         })

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "e2e": "asynchronous vs synchronous training, same config and resources",
     "lora": "LoRA adapter versions vs full weights (bytes, seconds) and merged vs unmerged adapters",
     "learner": "learner step: padded full-vocab (before) vs packed micro-batches vs shared-prompt groups",
+    "race": "time to held-out accuracy: StreamRL vs TRL's GRPOTrainer, same model, prompts and budget",
 }
 
 

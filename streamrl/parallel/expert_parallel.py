@@ -10,8 +10,8 @@
 3. ``fully_shard`` every decoder layer, then the whole model, over all ranks (dense params);
    bf16 parameters with fp32 gradient reduction on GPU when mixed precision is on.
 
-:func:`full_parameters` yields full, global tensors one at a time (FSDP all-gather, then an
-all-gather of expert slices over ``ep``) for weight publishing.
+:func:`full_parameter` gathers one full, global tensor (FSDP all-gather, then an all-gather of
+expert slices over ``ep``) for weight publishing.
 
 A model built by :func:`~streamrl.models.sharded_load.build_empty_model` (parameters on the
 meta device) goes through the same steps on meta, then each rank materialises and reads only
@@ -216,8 +216,3 @@ def global_expert_view(t: torch.Tensor, mesh: LearnerMesh) -> torch.Tensor:
     return DTensor.from_local(local, mesh.expert_mesh, [Shard(0), Shard(0)], run_check=False,
                               shape=torch.Size(shape), stride=stride)
 
-
-def full_parameters(model: nn.Module, mesh: LearnerMesh) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) one at a time; every rank must iterate to the end."""
-    for name, p in model.named_parameters():
-        yield name, full_parameter(name, p, mesh)

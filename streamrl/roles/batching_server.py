@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import zmq
 
-from streamrl.security import apply_server_keys, load_curve_keys
+from streamrl.security import apply_server_keys, load_curve_keys, stop_authenticator
 from streamrl.transport.codec import FrameError, Limits
 from streamrl.transport.sockets import recv_bounded
 
@@ -129,4 +129,5 @@ class BatchingServer:
 
     def close(self) -> None:
         self.sock.close(0)
+        stop_authenticator(self.ctx)  # a live ZAP thread would keep ctx.term() waiting
         self.ctx.term()

@@ -16,7 +16,7 @@ from streamrl.engines.base import BetweenSteps
 class Roller(Protocol):
     """Produces trajectory batches with the weights of one policy version.
 
-    ``last_metrics``: monitor figures of the latest batch (``env/...`` for episodes), ``{}`` when
+    ``last_metrics``: monitor figures of the latest batch (``rollout/truncated``, ``env/...`` for episodes), ``{}`` when
     the roller has none.
     """
 

@@ -15,6 +15,7 @@ from streamrl.config import Config
 from streamrl.engines.base import BetweenSteps, Generation
 from streamrl.rewards import CombinedReward, response_texts, token_rewards
 from streamrl.rollout.prompts import PromptEncoder
+from streamrl.tasks.truncation import apply_truncation_rule, stop_ids
 from streamrl.trajectory import make_id, pack_trajectories
 
 
@@ -28,15 +29,18 @@ class BatchRoller:
     problems: an endless iterator of task problems (this worker's shard).
     reward: the run's reward (``score(problems, texts)``; ``credits`` for ``rollout.token_rewards``).
     next_id: () -> a unique 63-bit id for groups and trajectories (default: a local counter).
+    truncated_scores_zero: the task's rule for a response cut at ``max_new_tokens`` (scores 0);
+    truncated responses are counted either way (``rollout/truncated``: their share of the batch).
     """
 
-    last_metrics: dict[str, float] = {}  # no per-batch figures beyond the worker's own
-
     def __init__(self, cfg: Config, engine, tok, problems: Iterator[Any], reward: CombinedReward,
-                 worker_id: int = 0, next_id: Callable[[], int] | None = None):
+                 worker_id: int = 0, next_id: Callable[[], int] | None = None, truncated_scores_zero: bool = False):
         self.cfg, self.engine, self.tok, self.problems, self.wid = cfg, engine, tok, problems, worker_id
         self.encode = PromptEncoder(tok, cfg.rollout.chat_template)
         self.reward = reward
+        self.truncated_scores_zero = truncated_scores_zero
+        self._eos = stop_ids(tok)
+        self.last_metrics: dict[str, float] = {}
         self._counter = 0
         self._next_id = next_id or self._local_id
 
@@ -55,6 +59,10 @@ class BatchRoller:
         texts = response_texts(self.tok, gen.tokens)
         flat_problems = [p for p in problems for _ in range(rc.group_size)]
         rewards, components = self.reward.score(flat_problems, texts)
+        rewards, cut = apply_truncation_rule(rewards, gen.tokens, self._eos, rc.max_new_tokens,
+                                             self.truncated_scores_zero)
+        self.last_metrics = {"rollout/truncated": sum(cut) / max(len(cut), 1),
+                             "rollout/reward_errors": float(sum(self.reward.errors.values()))}
         group_ids, traj_ids = self._ids(len(problems), rc.group_size)
         versions = gen.versions if gen.versions is not None else [[version] * len(t) for t in gen.tokens]
         per_token = self._token_rewards(flat_problems, texts, gen.tokens, rewards) if rc.token_rewards else None

@@ -13,6 +13,7 @@ from streamrl.rewards import CombinedReward, build_reward
 from streamrl.rollout.base import Roller
 from streamrl.rollout.batch import BatchRoller
 from streamrl.tasks import build_task
+from streamrl.tasks.truncation import zeroes_truncated
 
 
 def run_reward(cfg: Config, reward_endpoint: Callable[[], str | None] | None = None) -> CombinedReward:
@@ -25,17 +26,19 @@ def run_reward(cfg: Config, reward_endpoint: Callable[[], str | None] | None = N
 
 def build_roller(cfg: Config, engine, tok, problems: Iterator[Any], *, worker_id: int,
                  next_id: Callable[[], int] | None = None, reward: CombinedReward | None = None,
-                 before_turn: Callable[[], int] | None = None) -> Roller:
+                 before_turn: Callable[[], int] | None = None, task=None) -> Roller:
     """The configured roller over ``engine``.
 
     problems: this worker's endless problem iterator; next_id: () -> a unique 63-bit id;
     reward: the scoring reward (default :func:`run_reward` without a reward-model role);
     before_turn: multi-turn only, () -> the version the next turn samples with (in-flight updates
     between turns); None stamps each turn with the batch's version.
+    task: the run's task (default: built from ``cfg.task``); its rule for truncated responses applies.
     """
     reward = reward if reward is not None else run_reward(cfg)
     if cfg.env.name == "none":
-        return BatchRoller(cfg, engine, tok, problems, reward, worker_id, next_id)
+        return BatchRoller(cfg, engine, tok, problems, reward, worker_id, next_id,
+                           truncated_scores_zero=zeroes_truncated(task if task is not None else build_task(cfg.task)))
     # torchrl (behind the environments) is imported only by runs that play episodes
     from streamrl.envs.factory import build_episode_roller  # noqa: PLC0415
 

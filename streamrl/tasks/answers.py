@@ -85,3 +85,32 @@ def extract_answer(response: str, expected: str) -> str | None:
     if not lines:
         return None
     return _clean_line(lines[-1]) or None
+
+
+# "Answer: X", "The final answer is X", "So, the answer is: X": "answer" then "is" or ":"/"="
+_FINAL_MARKER = re.compile(r"\banswer\s*(?:is\b\s*[:=]?|[:=])\s*(.*)$", re.IGNORECASE | re.MULTILINE)
+
+
+def final_answer(response: str, expected: str) -> str | None:
+    """The answer after the last ``Answer: X`` (or ``the answer is X``) of a worked response, or
+    None without one.
+
+    A chain of thought holds many numbers; only the one the response commits to counts, so a
+    response that never states its answer gives none (the ``think`` prompt format asks for an
+    ``Answer:`` line; instruct models often write ``So, the answer is: X``, accepted too). The
+    text after the marker, to the end of its line, goes through :func:`extract_answer`
+    (``Answer: 47 legs`` reads ``47`` when a number is expected; ``**Answer:** 47`` is accepted).
+
+    Examples:
+        >>> final_answer("3 + 4 = 7, plus 5 is 12.\\nAnswer: 12", "12")
+        '12'
+        >>> final_answer("So, the final answer is 17.", "17")
+        '17'
+        >>> final_answer("3 + 4 = 7, plus 5 is 12.", "12") is None
+        True
+    """
+    found = _FINAL_MARKER.findall(response.replace("**", ""))
+    if not found:
+        return None
+    text = found[-1].strip()
+    return extract_answer(text, expected) if text else None

@@ -41,8 +41,8 @@ class Arithmetic:
 class LargeArithmetic:
     """``"123456*789012="`` -> ``"97408265472"``: operands of ``num_digits`` digits, op in ``ops``.
 
-    Too hard to compute in the head for a small model: the multi-turn tool task (issue 21,
-    :mod:`streamrl.envs.calculator_task`), where the model learns to call a calculator and copy
+    Too hard to compute in the head for a small model: the multi-turn tool task
+    (:mod:`streamrl.envs.calculator_task`), where the model learns to call a calculator and copy
     its result. ``fields["question"]`` asks the same in words (chat models), and
     ``fields["expression"]`` is what a calculator evaluates.
     """

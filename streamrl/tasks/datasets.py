@@ -122,3 +122,20 @@ def load_problems(path: str | Path, prompt_key: str = "prompt", answer_key: str 
     if not problems:
         raise ValueError(f"{field} = {str(path)!r} holds no problems")
     return problems
+
+
+def check_dataset_columns(cfg) -> list[str]:
+    """One line per prompt file of ``cfg`` (``data.path``, ``eval.dataset``) whose rows lack the
+    prompt or answer column (``data.prompt_key`` / ``data.answer_key``) or cannot be read; for
+    ``--dry-run``, so a run does not start only to fail in its first rollout. Missing files are
+    left to the input check that names them."""
+    d = cfg.data
+    out = []
+    for field, path in (("data.path", d.path), ("eval.dataset", cfg.eval.dataset)):
+        if not path or not Path(path).expanduser().exists():
+            continue
+        try:
+            load_problems(Path(path).expanduser(), d.prompt_key, d.answer_key, d.split, field=field)
+        except ValueError as e:
+            out.append(f"config field '{field}' = {str(path)!r}: {e}")
+    return out

@@ -8,13 +8,23 @@ Config (YAML)::
 
     task:
       name: reasoning_gym
-      answer_format: final          # final | tag | none: the instruction appended to each question
+      answer_format: final          # final | think | tag | none: the instruction appended to each question
       datasets:
         products: 1.0               # a bare number is the weight
         basic_arithmetic:           # a mapping: optional weight + the dataset's own options
           weight: 2.0
           max_digits: 3
           operators: ["+", "-", "*"]
+        leg_counting: {held_out: true}   # evaluation only: a task family training never sees
+
+``answer_format: think`` asks for step-by-step reasoning and a last line ``Answer: X``; the reward
+then reads only that line (:func:`~streamrl.tasks.answers.final_answer`), and a response cut at
+the token limit scores 0 (:attr:`ReasoningGym.truncated_scores_zero`, applied by
+:mod:`streamrl.tasks.truncation`): an unfinished chain of thought gave no answer.
+
+``held_out: true`` on a dataset keeps it out of training (:meth:`ReasoningGym.sample` never draws
+it) while the held-out set draws it at its weight, so evaluation reports the skill's transfer to
+a family never trained on (``eval/accuracy/<dataset>`` and ``eval/accuracy/held_out_families``).
 
 Seeds: each dataset is built once with a fixed seed (derived from its name, so two datasets of
 the same kind do not draw the same operands in lock-step) over ``ITEMS`` virtual items. A
@@ -35,7 +45,7 @@ import zlib
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from streamrl.tasks.answers import extract_answer
+from streamrl.tasks.answers import extract_answer, final_answer
 from streamrl.tasks.registry import Problem, register_task
 
 # Virtual items per dataset. Some generators precompute a table of this size (gsm_symbolic:
@@ -44,6 +54,8 @@ ITEMS = 2**20
 
 ANSWER_FORMATS = {
     "final": "\nGive only the final answer.",
+    "think": "\nThink step by step and show each calculation. Then write the final answer on the last line, "
+             "as: Answer: <answer>",
     "tag": "\nPut only the final answer inside <answer></answer>.",
     "none": "",
 }
@@ -57,8 +69,9 @@ def _rg():
     return reasoning_gym
 
 
-def parse_datasets(datasets: Mapping[str, Any] | None, field: str = "task.datasets") -> list[tuple[str, float, dict]]:
-    """``{name: weight | {weight, **options}}`` -> ``[(name, weight, options)]``, checked.
+def parse_datasets(datasets: Mapping[str, Any] | None, field: str = "task.datasets"
+                   ) -> list[tuple[str, float, dict, bool]]:
+    """``{name: weight | {weight, held_out, **options}}`` -> ``[(name, weight, options, held_out)]``, checked.
 
     Raises ValueError naming ``field``, the dataset and what is wrong: an unknown dataset (with
     the known names), a weight that is not a positive number, options the dataset rejects.
@@ -74,6 +87,9 @@ def parse_datasets(datasets: Mapping[str, Any] | None, field: str = "task.datase
             raise ValueError(f"{field}.{name}: not a reasoning-gym dataset; known: {names}")
         options = dict(spec) if isinstance(spec, Mapping) else {"weight": spec}
         weight = options.pop("weight", 1.0)
+        held_out = options.pop("held_out", False)
+        if not isinstance(held_out, bool):
+            raise ValueError(f"{field}.{name}.held_out = {held_out!r}: must be true or false")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
             raise ValueError(f"{field}.{name}.weight = {weight!r}: must be a number > 0")
         for reserved in ("seed", "size"):
@@ -87,7 +103,9 @@ def parse_datasets(datasets: Mapping[str, Any] | None, field: str = "task.datase
                 cfg.validate()
         except (TypeError, AssertionError, ValueError) as e:
             raise ValueError(f"{field}.{name} = {spec!r}: reasoning-gym refused the options ({e})") from None
-        out.append((name, float(weight), options))
+        out.append((name, float(weight), options, held_out))
+    if all(h for *_, h in out):
+        raise ValueError(f"{field}: every dataset is held_out; training needs at least one")
     return out
 
 
@@ -110,16 +128,22 @@ class ReasoningGym:
             raise ValueError(f"task.answer_format = {answer_format!r}: must be one of {sorted(ANSWER_FORMATS)}")
         self.suffix = ANSWER_FORMATS[answer_format]
         self.partial_credit = partial_credit
+        # a worked answer that hits the token limit never reached its final line
+        self.truncated_scores_zero = answer_format == "think"
+        self.extract = final_answer if answer_format == "think" else extract_answer
         specs = parse_datasets(datasets)
-        self.names = [n for n, _, _ in specs]
-        self.weights = [w for _, w, _ in specs]
-        self.sets = {n: _build_dataset(n, opts) for n, _, opts in specs}
+        self.names = [n for n, *_ in specs]
+        self.weights = [w for _, w, _, _ in specs]
+        self.held_out_families = frozenset(n for n, _, _, h in specs if h)
+        self.train_weights = [0.0 if n in self.held_out_families else w for n, w in zip(self.names, self.weights)]
+        self.sets = {n: _build_dataset(n, opts) for n, _, opts, _ in specs}
 
     def _problem(self, rng: random.Random, parity: int) -> Problem:
-        name = rng.choices(self.names, weights=self.weights)[0]
+        name = rng.choices(self.names, weights=self.weights if parity else self.train_weights)[0]
         entry = self.sets[name][2 * rng.randrange(ITEMS // 2) + parity]
         fields = {"source_dataset": name, "question": entry["question"],
-                  "metadata": MappingProxyType(dict(entry.get("metadata") or {}))}
+                  "metadata": MappingProxyType(dict(entry.get("metadata") or {})),
+                  "held_out_family": name in self.held_out_families}
         return Problem(prompt=entry["question"].rstrip() + self.suffix, answer=str(entry["answer"]),
                        fields=MappingProxyType(fields))
 
@@ -136,17 +160,18 @@ class ReasoningGym:
         response gives no answer or the scorer fails on it. Without ``partial_credit`` a score
         below 1 counts 0: many scorers pay ``len(answer) / len(given)`` when the answer is a
         substring of what was given, e.g. 0.8 for ``63700`` when ``6370`` is right."""
-        score = score_reasoning_gym(problem, response)
+        score = score_reasoning_gym(problem, response, self.extract)
         return score if self.partial_credit or score >= 1.0 else 0.0
 
 
-def score_reasoning_gym(problem: Problem, response: str) -> float:
-    """Score ``response`` with the reasoning-gym scorer named in ``problem.fields`` (partial credit kept)."""
+def score_reasoning_gym(problem: Problem, response: str, extract=extract_answer) -> float:
+    """Score ``response`` with the reasoning-gym scorer named in ``problem.fields`` (partial credit
+    kept); ``extract`` pulls the answer out of the response (:func:`final_answer` for ``think``)."""
     name = problem.fields.get("source_dataset")
     if name is None:
         raise ValueError("reasoning-gym reward: the problem carries no 'source_dataset' field "
                          "(it did not come from task.name = reasoning_gym)")
-    answer = extract_answer(response, problem.answer)
+    answer = extract(response, problem.answer)
     if answer is None:
         return 0.0
     entry = {"question": problem.fields.get("question", problem.prompt), "answer": problem.answer,

@@ -21,7 +21,7 @@ from typing import Callable
 
 import zmq
 
-from streamrl.security import apply_client_keys, apply_server_keys, load_curve_keys
+from streamrl.security import apply_client_keys, apply_server_keys, load_curve_keys, stop_authenticator
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class BucketServer:
         self._stop.set()
         self._thread.join(timeout=2.0)
         self.sock.close(0)
+        stop_authenticator(self.ctx)  # a live ZAP thread would keep ctx.term() waiting
         self.ctx.term()
 
 

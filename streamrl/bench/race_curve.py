@@ -1,0 +1,133 @@
+"""Scoring the race's checkpoints with one evaluator, and comparing the two accuracy curves.
+
+Every checkpoint of both sides (and the base model, at time 0) goes through
+:func:`score_folder`: the same held-out problems, the same greedy decode, the same token limit
+and the same reward (:func:`streamrl.evaluate.evaluate_config`), so a gap between the curves is
+the training's and not the scorer's.
+
+A *curve* is a list of points ``{"fraction", "time_s", "samples", "accuracy", "stderr", ...}``
+in time order, the first being the base model (``time_s`` 0). ``time_to_accuracy`` reads the
+first time a curve reaches an accuracy, linearly interpolated between points.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+
+from streamrl.evaluate import evaluate_config, eval_set
+from streamrl.models.factory import load_model_and_tokenizer
+from streamrl.tasks import build_task
+
+# curve keys copied from an evaluation row (eval/accuracy/<set> are added per set)
+ROW_KEYS = ("eval/accuracy", "eval/reward_mean", "eval/truncated", "eval/response_tokens_median", "eval/n")
+
+
+def stderr(p: float, n: int) -> float:
+    """Binomial standard error of an accuracy ``p`` over ``n`` problems."""
+    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
+
+
+def score_folder(folder: str | Path, cfg, device: str) -> dict:
+    """Greedy held-out evaluation of the HF folder ``folder`` under ``cfg``'s task and ``eval.*``.
+
+    Returns the curve fields: ``accuracy``, ``stderr``, ``truncated``, ``response_tokens_median``,
+    ``n`` and ``sets`` (``{set: {"accuracy", "stderr", "n"}}`` per held-out set of a task mix).
+    """
+    model_cfg = dataclasses.replace(cfg.model, path=str(folder))
+    model, tok = load_model_and_tokenizer(model_cfg, seed=cfg.run.seed)
+    model.to(device)
+    task = build_task(cfg.task)
+    with torch.no_grad():
+        row = evaluate_config(model, tok, cfg, task, eval_set(cfg, task))
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return curve_fields(row)
+
+
+def curve_fields(row: dict) -> dict:
+    """An evaluation row (``eval/*`` keys) -> the fields of one curve point."""
+    n = int(row["eval/n"])
+    acc = float(row["eval/accuracy"])
+    sets = {}
+    for key, value in row.items():
+        if key.startswith("eval/accuracy/"):
+            name = key[len("eval/accuracy/"):]
+            size = int(row.get(f"eval/n/{name}", 0)) or None
+            sets[name] = {"accuracy": float(value), "stderr": stderr(float(value), size) if size else None, "n": size}
+    return {"accuracy": acc, "stderr": stderr(acc, n), "n": n, "truncated": float(row.get("eval/truncated", 0.0)),
+            "response_tokens_median": row.get("eval/response_tokens_median"), "sets": sets}
+
+
+def time_to_accuracy(points: list[dict], target: float) -> float | None:
+    """First time (s) the curve reaches ``target``, linear between points; None if it never does."""
+    prev = None
+    for pt in points:
+        if pt["accuracy"] >= target:
+            if prev is None or prev["accuracy"] >= target:
+                return float(pt["time_s"])
+            share = (target - prev["accuracy"]) / (pt["accuracy"] - prev["accuracy"])
+            return float(prev["time_s"] + share * (pt["time_s"] - prev["time_s"]))
+        prev = pt
+    return None
+
+
+def compare(streamrl: list[dict], peer: list[dict]) -> dict:
+    """The race's figures from the two curves (each starting with the base model's point).
+
+    ``time_to_peer_final_accuracy_ratio`` = (peer's first time at its final accuracy) /
+    (StreamRL's first time at that accuracy). Rules: when StreamRL never reaches it, the ratio is
+    None and ``streamrl_reached_peer_final`` False; when the peer's final accuracy is not above the
+    base model's (nothing learned to race for), the ratio is None and ``peer_improved`` False.
+    """
+    target = peer[-1]["accuracy"]
+    base = peer[0]["accuracy"]
+    peer_t = time_to_accuracy(peer, target)
+    ours_t = time_to_accuracy(streamrl, target)
+    improved = target > base
+    ratio = peer_t / ours_t if improved and ours_t and peer_t is not None else None
+    final_gap = streamrl[-1]["accuracy"] - target
+    gap_se = math.hypot(streamrl[-1]["stderr"], peer[-1]["stderr"])
+    gains = {f"{name}_held_out_families": family_gain(curve) for name, curve in (("streamrl", streamrl), ("peer", peer))}
+    return {**{k: v for k, v in gains.items() if v is not None}, "peer_final_accuracy": target,
+            "peer_time_to_final_s": peer_t, "streamrl_time_to_peer_final_s": ours_t,
+            "time_to_peer_final_accuracy_ratio": ratio, "streamrl_reached_peer_final": ours_t is not None,
+            "peer_improved": improved, "final_accuracy_gap": final_gap, "final_accuracy_gap_stderr": gap_se,
+            "streamrl_ends_above_peer": final_gap > gap_se}
+
+
+def family_gain(curve: list[dict]) -> dict | None:
+    """Base vs final accuracy (with stderrs) on the families training never saw; None without any."""
+    first, last = (p.get("sets", {}).get("held_out_families") for p in (curve[0], curve[-1]))
+    if first is None or last is None:
+        return None
+    return {"base": first["accuracy"], "base_stderr": first["stderr"], "final": last["accuracy"],
+            "final_stderr": last["stderr"], "gain": last["accuracy"] - first["accuracy"]}
+
+
+def plot(curves: dict[str, list[dict]], path: Path, title: str) -> None:
+    """Held-out accuracy (+- stderr) vs wall time, one line per side; a PNG at ``path``. A second
+    panel shows the held-out families alone when the task mix has some (the skill's transfer)."""
+    import matplotlib  # noqa: PLC0415 (plotting only when a PNG is asked for)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    panels = [("all held-out items", lambda p: p)]
+    if all("held_out_families" in p.get("sets", {}) for pts in curves.values() for p in pts):
+        panels.append(("task families never trained on", lambda p: p["sets"]["held_out_families"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.2), squeeze=False)
+    for ax, (name, pick) in zip(axes[0], panels):
+        for side, pts in curves.items():
+            ax.errorbar([p["time_s"] for p in pts], [pick(p)["accuracy"] for p in pts],
+                        yerr=[pick(p)["stderr"] or 0.0 for p in pts], marker="o", capsize=3, label=side)
+        ax.set(xlabel="wall time (s)", ylabel="greedy accuracy", title=name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

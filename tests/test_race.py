@@ -1,0 +1,118 @@
+"""streamrl-bench race: both sides train a tiny HF model for a wall-clock budget and one evaluator
+scores every export; the curve maths (time to an accuracy, the ratio's rules)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from streamrl.bench import race
+from streamrl.bench.race_curve import compare, curve_fields, time_to_accuracy
+from streamrl.models.tokenizer import build_char_tokenizer
+
+pytest.importorskip("trl")
+
+
+def tiny_llama(folder):
+    """A tiny random LlamaForCausalLM folder with the character tokenizer (TRL loads it as is)."""
+    tok = build_char_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
+                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def pt(t, acc, n=100):
+    return {"time_s": t, "accuracy": acc, "stderr": math.sqrt(acc * (1 - acc) / n)}
+
+
+def test_time_to_accuracy_interpolates_and_the_ratio_follows_its_rules():
+    peer = [pt(0, 0.1), pt(100, 0.2), pt(200, 0.3), pt(300, 0.3), pt(400, 0.4)]
+    fast = [pt(0, 0.1), pt(50, 0.3), pt(100, 0.5), pt(150, 0.6), pt(200, 0.6)]
+    assert time_to_accuracy(peer, 0.4) == 400
+    assert time_to_accuracy(fast, 0.4) == pytest.approx(75.0)  # halfway between 0.3 at 50 s and 0.5 at 100 s
+    res = compare(fast, peer)
+    assert res["time_to_peer_final_accuracy_ratio"] == pytest.approx(400 / 75)
+    assert res["streamrl_reached_peer_final"] and res["streamrl_ends_above_peer"]
+    slow = [pt(0, 0.1), pt(400, 0.2)]
+    res = compare(slow, peer)  # never reached: no ratio, said so
+    assert res["time_to_peer_final_accuracy_ratio"] is None and not res["streamrl_reached_peer_final"]
+    flat = [pt(0, 0.1), pt(400, 0.1)]
+    res = compare(fast, flat)  # the peer learned nothing: nothing to race for
+    assert res["time_to_peer_final_accuracy_ratio"] is None and not res["peer_improved"]
+
+
+def test_curve_fields_give_each_held_out_set_its_stderr():
+    row = {"eval/accuracy": 0.5, "eval/n": 100, "eval/accuracy/held_out_families": 0.25,
+           "eval/n/held_out_families": 20, "eval/accuracy/chain_sum": 0.25, "eval/truncated": 0.1}
+    f = curve_fields(row)
+    assert f["stderr"] == pytest.approx(0.05)
+    assert f["sets"]["held_out_families"] == {"accuracy": 0.25, "stderr": pytest.approx(math.sqrt(0.25 * 0.75 / 20)),
+                                              "n": 20}
+    assert f["sets"]["chain_sum"]["stderr"] is None and f["truncated"] == 0.1
+
+
+def test_combine_names_a_missing_side(tmp_path, capsys):
+    assert race.main(["--combine", str(tmp_path)]) == 2
+    assert "no streamrl.json (run --side streamrl" in capsys.readouterr().err
+
+
+def test_race_runs_both_sides_and_scores_them_with_one_evaluator(tmp_path, repo):
+    """Both sides of a tiny race (one invocation each, then --combine): every point is a real score."""
+    model = tiny_llama(tmp_path / "model")
+    out = tmp_path / "race"
+    common = ["--config", str(repo / "configs/tiny.yaml"), "--out", str(out), "--budget-s", "40", "--device", "cpu",
+              "--export-every", "2", f"model.path={model}", "eval.size=16", "rollout.max_new_tokens=6",
+              "learner.groups_per_step=4", "rollout.group_size=4"]
+    for side in ("streamrl", "peer"):
+        assert race.main([*common, "--side", side]) == 0
+    assert race.main(["--combine", str(out), "--json"]) == 0
+    res = json.loads((out / "race.json").read_text())
+    assert (out / "race.png").stat().st_size > 0
+    for side in ("streamrl", "peer"):
+        curve = res[side]
+        assert [p["fraction"] for p in curve] == [0.0, 0.25, 0.5, 0.75, 1.0]
+        times = [p["time_s"] for p in curve]
+        assert times == sorted(times)
+        for p in curve:
+            assert p["n"] == 16 and 0 <= p["accuracy"] <= 1
+            assert p["accuracy"] * 16 == pytest.approx(round(p["accuracy"] * 16))  # a share of 16 real scores
+            assert p["stderr"] == pytest.approx(math.sqrt(p["accuracy"] * (1 - p["accuracy"]) / 16))
+    assert res["streamrl"][0]["accuracy"] == res["peer"][0]["accuracy"]  # one evaluator, the same base model
+    assert res["peer"][-1]["step"] > 0  # the peer trained
+    # StreamRL stops at the budget; the peer's step is not cut, so it stops at the first step end
+    # that would overrun it (its first step on a busy 2-core machine can end past the budget)
+    assert res["streamrl"][-1]["time_s"] == pytest.approx(40, abs=2)
+    assert "time_to_peer_final_accuracy_ratio" in res and res["budget_s"] == 40
+
+
+@pytest.mark.slow
+def test_cpu_race_on_smollm2_scores_both_curves(tmp_path, repo):
+    """A longer race on the real model (configs/race-cpu.yaml), both sides in one invocation."""
+    if not (repo / "models/smol/config.json").is_file():
+        pytest.skip("models/smol not prepared (streamrl-prepare-model --out models/smol --experts 0)")
+    out = tmp_path / "race"
+    assert race.main(["--config", str(repo / "configs/race-cpu.yaml"), "--out", str(out), "--budget-s", "240",
+                      "--device", "cpu", f"model.path={repo / 'models/smol'}", "eval.size=48"]) == 0
+    res = json.loads((out / "race.json").read_text())
+    for side in ("streamrl", "peer"):
+        assert len(res[side]) == 5 and res[side][-1]["samples"] > 0
+        assert "held_out_families" in res[side][-1]["sets"]
+    assert res["streamrl"][0] == {**res["peer"][0]}  # the base model, scored by the one evaluator
+
+
+def test_compare_reports_the_never_trained_families_base_vs_final():
+    fam = lambda a: {"held_out_families": {"accuracy": a, "stderr": 0.05, "n": 40}}  # noqa: E731
+    ours = [{**pt(0, 0.1), "sets": fam(0.1)}, {**pt(100, 0.4), "sets": fam(0.3)}]
+    peer = [{**pt(0, 0.1), "sets": fam(0.1)}, {**pt(100, 0.2), "sets": fam(0.15)}]
+    res = compare(ours, peer)
+    assert res["streamrl_held_out_families"]["gain"] == pytest.approx(0.2)
+    assert res["peer_held_out_families"]["final"] == 0.15
+    assert "streamrl_held_out_families" not in compare([pt(0, 0.1), pt(1, 0.2)], [pt(0, 0.1), pt(1, 0.2)])

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The time-to-accuracy race on one H200: StreamRL vs TRL's GRPOTrainer on SmolLM2-135M-Instruct,
+# think-then-answer reasoning-gym tasks, answers up to 1,024 tokens (configs/gpu-reasoning.yaml).
+# One side per device call (each must fit 10 minutes), then combine the two JSONs anywhere:
+#   SIDE=streamrl BUDGET=360 bash tools/gpu/race.sh      # -> $OUT/streamrl.json
+#   SIDE=peer     BUDGET=360 bash tools/gpu/race.sh      # -> $OUT/peer.json
+#   streamrl-bench race --combine DIR --json             # DIR holds both: race.json, race.png
+# What the device lacks travels in folders excluded from git, at most 64 MiB a call, so staging
+# takes three calls (this script looks in the folder and in /tmp/stage, where earlier calls left it):
+#   .smolA/.smolB: the two halves of the SmolLM2 GGUF (see tools/gpu/smol_stage.sh);
+#   .whl + .redis: ../shared/tools/device-wheels.sh gguf==0.19.0;
+#   .whlrg: reasoning-gym, math-verify and their dependencies (py3.12 wheels; pycosat built locally);
+#   .whlpeer: trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 (the peer's own target).
+#   call 1, carry [.smolA, .redis, .whlpeer]: STAGE=1 bash tools/gpu/race.sh
+#   call 2, carry [.smolB, .whl]:             STAGE=1 bash tools/gpu/race.sh   (also prepares the model)
+#   call 3, carry [.whlrg]:                   SIDE=streamrl bash tools/gpu/race.sh
+set -uo pipefail
+mkdir -p /tmp/stage /tmp/smol
+for d in .smolA .smolB .whl .whlrg .whlpeer .redis; do
+  if [[ -d $d ]]; then rm -rf "/tmp/stage/$d" && cp -r "$d" /tmp/stage/; elif [[ -d /tmp/stage/$d ]]; then ln -sfn "/tmp/stage/$d" "$d"; fi
+done
+[[ -f /tmp/stage/.whl/gguf-0.19.0-py3-none-any.whl ]] || { echo "race.sh: staged so far: $(ls -A /tmp/stage)"; exit 0; }
+source tools/gpu/env.sh || exit 1
+if [[ -d .whlrg ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlrg/*.whl || exit 1
+fi
+if [[ -d .whlpeer && ! -d /tmp/peer/trl ]]; then  # the peer's packages in their own target, on its path only
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer .whlpeer/*.whl || exit 1
+fi
+MODEL=/tmp/smol-dense
+if [[ ! -f $MODEL/config.json && -f /tmp/stage/.smolB/part ]]; then
+  cat /tmp/stage/.smolA/part /tmp/stage/.smolB/part > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+  python3 -m streamrl.models.prepare --gguf /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf --out $MODEL --experts 0 2>&1 | tail -2
+fi
+[[ -n ${STAGE:-} ]] && { echo "race.sh: staged: $(ls -A /tmp/stage); model: $(ls $MODEL 2>/dev/null | tr '\n' ' ')"; exit 0; }
+SIDE=${SIDE:-streamrl}
+[[ $SIDE == peer ]] && export PYTHONPATH=$PYTHONPATH:/tmp/peer
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; uptime
+python3 -m streamrl.bench.cli race --config ${CONFIG:-configs/gpu-reasoning.yaml} --side "$SIDE" --out /tmp/race \
+  --budget-s "${BUDGET:-360}" model.path=$MODEL "$@" 2>&1 | tail -25
+cp /tmp/race/*.json "$OUT/" 2>/dev/null; for f in /tmp/race/*.log; do tail -60 "$f" > "$OUT/$(basename "$f")"; done
+ls /tmp/race
