@@ -9,13 +9,13 @@ so captured CUDA graphs and compiled decode steps keep reading the same storage)
 before (and equal the merged export's, which uses the same :func:`merged_weight`).
 
 Why merged and not unmerged (PEFT layers in the engine): merging costs once per version what
-unmerged adapters cost on every forward. Measured on the 2-core CPU box with
-``streamrl-bench lora --merge`` (SmolLM2-135M shapes: 30 layers x q/k/v/o, hidden 576, kv 192,
-r = 8, float32): merging all 120 projections takes 165 ms per version; unmerged, the same
-projections of one batch-16 decode step take 137 ms instead of 67 ms (two extra skinny
-matmuls each, +105 %), so the merge has paid for itself after ~2-3 decode steps, and a version
-lasts hundreds. The price is the ``W0`` copy of the adapted projections (their bytes once
-more, not the whole model).
+unmerged adapters cost on every forward. Measured on the shared 2-core CPU box with
+``streamrl-bench lora --json --repeat 5`` (SmolLM2-135M shapes: 30 layers x q/k/v/o, hidden
+576, kv 192, r = 8, float32): merging all 120 projections takes 19 ms per version; unmerged,
+the same projections of one batch-16 decode step take 24.7 ms instead of 17.9 ms (two extra
+skinny matmuls each, +38 %), so the merge has paid for itself after ~3 decode steps, and a
+version lasts many more. The price is the ``W0`` copy of the adapted projections (their bytes
+once more, not the whole model).
 """
 from __future__ import annotations
 
