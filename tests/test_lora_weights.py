@@ -3,6 +3,8 @@ adapter, not the model) through real Redis + shm; the hf and hf_fast engines mer
 bit-identical weights (base + scaling * B @ A, each version from the base, never from the last)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -74,3 +76,14 @@ def test_bad_adapter_version_loads_nothing():
     with pytest.raises(ValueError, match="has only"):
         eng.load_weights(bad[:1] + bad[2:])
     assert all(torch.equal(p, before[n]) for n, p in eng.model.named_parameters())
+
+
+@pytest.mark.timeout(120)
+def test_bench_lora_reports_both_versions(capsys):
+    from streamrl.bench.lora import main
+
+    assert main(["--layers", "1", "--repeat", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["lora"]["bytes"] < out["full"]["bytes"] / 10
+    assert out["bytes_ratio"] == round(out["lora"]["bytes"] / out["full"]["bytes"], 5)
+    assert out["merge"]["projections"] == 4 and out["merge"]["merge_s"] > 0
