@@ -1,5 +1,5 @@
 """LoRA learner (model.lora): logits and adapter gradients equal a plain PEFT model's on 1 rank
-and on 2 FSDP2 gloo ranks; a step trains only the adapters; the reference is the frozen base."""
+and on 2 FSDP2 gloo ranks (ep = 1 and ep = 2); a step trains only the adapters; the reference is the frozen base."""
 from __future__ import annotations
 
 import pytest
@@ -71,8 +71,8 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 PROBE = torch.tensor([[1, 5, 9, 4, 12, 7, 3, 15, 8, 6]])
 
 
-def _lora_logits_and_grads(rank, world):
-    cfg = lora_cfg()
+def _lora_logits_and_grads(rank, world, ep=1):
+    cfg = lora_cfg(f"learner.ep={ep}")
     values = adapter_values(cfg)
     tr = Trainer(cfg)
     set_adapters(tr.model, values)
@@ -106,9 +106,11 @@ def test_one_rank_logits_and_grads_equal_peft():
 
 
 @pytest.mark.timeout(300)
-def test_two_fsdp_ranks_logits_and_grads_equal_peft():
+@pytest.mark.parametrize("ep", [1, 2])
+def test_two_fsdp_ranks_logits_and_grads_equal_peft(ep):
+    """2 ranks: FSDP2 over the wrapped model, and with ep = 2 the experts split over the ranks too."""
     ref_logits, ref_grads = _reference_logits_and_grads()
-    for out in spawn_gloo(_lora_logits_and_grads, 2, timeout_s=240):
+    for out in spawn_gloo(_lora_logits_and_grads, 2, ep, timeout_s=240):
         _assert_equal_to_reference(out, ref_logits, ref_grads, atol=1e-5)
 
 
