@@ -1,5 +1,6 @@
 """LoRA learner (model.lora): logits and adapter gradients equal a plain PEFT model's on 1 rank
-and on 2 FSDP2 gloo ranks (ep = 1 and ep = 2); a step trains only the adapters; the reference is the frozen base."""
+and on 2 FSDP2 gloo ranks (ep = 1 and ep = 2); a step trains only the adapters (also with activation
+checkpointing); the reference is the frozen base."""
 from __future__ import annotations
 
 import pytest
@@ -166,3 +167,14 @@ def test_lm_head_adapter_reaches_the_chunked_logprob_head():
     assert head.lora_A["default"].weight.grad is not None and head.lora_B["default"].weight.grad.abs().sum() > 0
     with tr.lora.reference():
         assert head_weight(head) is head.base_layer.weight
+
+
+def test_activation_checkpointing_gives_the_same_step():
+    outs = []
+    for ac in ("false", "true"):
+        tr = Trainer(lora_cfg(f"learner.activation_checkpointing={ac}"))
+        m = tr.step(make_batch(7, n=8))
+        outs.append((m["learner/loss"], [t.clone() for t in tr.full_tensors()]))
+    assert outs[0][0] == pytest.approx(outs[1][0], rel=1e-6)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)

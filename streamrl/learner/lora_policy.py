@@ -36,11 +36,16 @@ class LoraPolicy:
     Args:
         model: the HF causal LM (still unsharded, on any device).
         cfg: ``model.lora`` (active).
+        seed: the adapters' init seed (``run.seed``).
     """
 
-    def __init__(self, model: nn.Module, cfg: LoraConfig):
+    def __init__(self, model: nn.Module, cfg: LoraConfig, seed: int):
         self.cfg = cfg
-        self.peft: PeftModel = apply_lora(model, cfg)
+        # PEFT draws lora_A's init from the global generator: seeded, every rank (and every run
+        # with this seed) starts from the same adapters before sharding.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.peft: PeftModel = apply_lora(model, cfg)
         self.model = model
         self.scaling = lora_scaling(cfg)
 

@@ -77,7 +77,7 @@ class Trainer:
         # by HF name, which PEFT's wrapping renames: a LoRA run loads whole, then wraps and shards.
         lora = cfg.model.lora.active
         model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed, defer_weights=not lora)
-        self.lora = LoraPolicy(model, cfg.model.lora) if lora else None
+        self.lora = LoraPolicy(model, cfg.model.lora, cfg.run.seed) if lora else None
         self.tokenizer = tok
         self.pad_id = tok.pad_token_id
         self.device = torch.device("cpu")
