@@ -26,8 +26,9 @@ def test_bad_lora_input_exits_2_at_dry_run(capsys, override, needle):
 
 def test_refused_family_and_tied_head_from_a_folder(tmp_path):
     (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 32,
-                                                               "n_head": 2, "vocab_size": 64, "bos_token_id": 0, "eos_token_id": 0}))
+    gpt2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "bos_token_id": 0,
+            "eos_token_id": 0}
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(gpt2))
     cfg = load_config(None, [ON, "model.lora.target_modules=[c_attn]"])
     assert "refused" in lora_problems(cfg.model, tmp_path / "gpt2")[0]
     (tmp_path / "llama").mkdir()

@@ -119,7 +119,8 @@ class Trainer:
         # Fused AdamW: one pass over each parameter instead of ~10 foreach passes (the foreach
         # default costs ~9 % of a 1.31 B MoE step on the H200, ~15 % of a 2 x 8 SmolLM2
         # shared-prompt step on 2 CPU cores; fused is 2-7x cheaper, memory bound).
-        self.optim = torch.optim.AdamW(self.lora.trainable() if self.lora else model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.99),
+        trained = self.lora.trainable() if self.lora else model.parameters()
+        self.optim = torch.optim.AdamW(trained, lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.99),
                                        fused=True)
         self.loss_fn = StepLoss(lc, self.num_experts, self.top_k, self.world, self.mesh.dp_group)
         self.steps_done = 0

@@ -37,7 +37,7 @@ def load_lora_checkpoint(ckpt: Path, cfg) -> tuple[PeftModel, object]:
     """
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (heavy, only for exports)
 
-    from streamrl.learner.run_checkpoint import CheckpointError  # noqa: PLC0415 (the learner imports this module's peers)
+    from streamrl.learner.run_checkpoint import CheckpointError  # noqa: PLC0415 (the learner, heavy)
     from streamrl.models.factory import load_model_and_tokenizer  # noqa: PLC0415
 
     model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
