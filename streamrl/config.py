@@ -56,6 +56,34 @@ class RunConfig:
 
 
 @dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train low-rank adapters (PEFT LoRA) on a frozen base instead of every parameter."""
+    r: int = 8
+    """Adapter rank; 0 turns LoRA off like enabled = false."""
+    alpha: float = 16.0
+    """Adapter scale numerator: the update is (alpha / r) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapter input while training (0 keeps the learner's log-probs equal to the engine's)."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Linear modules that get adapters, matched by name suffix (PEFT's rule); MoE experts and routers are refused."""
+
+    @property
+    def active(self) -> bool:
+        """LoRA is on: enabled with a rank > 0."""
+        return self.enabled and self.r != 0
+
+    def validate(self, p: str) -> None:
+        if not self.enabled:
+            return
+        _check(self.r >= 0, f"{p}.r", self.r, "must be > 0 (0 turns LoRA off)")
+        _check(self.alpha > 0, f"{p}.alpha", self.alpha, "must be > 0")
+        _check(0.0 <= self.dropout < 1.0, f"{p}.dropout", self.dropout, "must be in [0, 1)")
+        _check(bool(self.target_modules) and all(isinstance(t, str) and t for t in self.target_modules),
+               f"{p}.target_modules", self.target_modules, "must be a non-empty list of module names")
+
+
+@dataclass
 class ModelConfig:
     path: str = ""
     """HF model folder to load; empty builds the tiny random MoE below."""
@@ -81,8 +109,11 @@ class ModelConfig:
     """Parameter dtype: float32 or bfloat16."""
     load: str = "sharded"
     """Learner start from model.path: sharded (meta device, each rank reads only its shards) or full (every rank loads all, then shards)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters on a frozen base (docs/lora.md)."""
 
     def validate(self, p: str) -> None:
+        self.lora.validate(f"{p}.lora")
         _check(self.load in ("sharded", "full"), f"{p}.load", self.load, "must be sharded or full")
         for name in ("hidden_size", "expert_size"):
             v = getattr(self, name)
@@ -716,6 +747,8 @@ class Config:
             _check(stuck is None, "learner.staleness_min", self.learner.staleness_min,
                    f"with rollout.prompts_per_batch = {self.rollout.prompts_per_batch} and learner.groups_per_step = "
                    f"{self.learner.groups_per_step} admission at this bound would stall at version {stuck}: raise it")
+        _check(not (self.model.lora.active and self.rollout.engine == "vllm"), "rollout.engine", self.rollout.engine,
+               "model.lora needs rollout.engine = hf or hf_fast (adapter versions are merged by those engines)")
         return self
 
     def to_dict(self) -> dict[str, Any]:

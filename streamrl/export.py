@@ -1,10 +1,11 @@
 """Model out: a plain Hugging Face folder from a learner checkpoint or from the live learner.
 
-``streamrl-export --run-dir DIR [--checkpoint latest|PATH] --out HF_DIR [--dtype bf16]`` writes
+``streamrl-export --run-dir DIR [--checkpoint latest|PATH] --out HF_DIR [--dtype bf16] [--adapter]`` writes
 safetensors shards, ``config.json``, ``generation_config.json`` and the tokenizer files, which
 ``AutoModelForCausalLM.from_pretrained(HF_DIR)`` (and vLLM) load. It runs in one process with no
 ``torch.distributed``, from a checkpoint of any world size and any ``ep``, dense or MoE; the
-V-trace value head stays behind.
+V-trace value head stays behind. A ``model.lora`` run's folder has the adapters merged
+(:mod:`streamrl.models.lora_export`); ``--adapter`` writes its PEFT adapter folder instead.
 
 How, and why this way: the checkpoint stores every tensor under its HF parameter name with its
 global shape (experts included, see :mod:`streamrl.learner.run_checkpoint`), so DCP's
@@ -116,6 +117,11 @@ def load_checkpoint_model(ckpt: Path, cfg=None):
     cfg = cfg or read_run_config(ckpt)
     if cfg is None:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} stores no config.json (an older checkpoint); pass --config")
+    if cfg.model.lora.active:  # adapters only: the base comes from model.path
+        from streamrl.models.lora_export import load_lora_checkpoint, merged_model
+
+        peft_model, tok = load_lora_checkpoint(ckpt, cfg)
+        return merged_model(peft_model, cfg), tok, {**meta, "config": cfg}
     # The source model (HF folder or the seeded tiny MoE) gives the architecture, config,
     # generation config and any persistent buffers; its parameters are overwritten below.
     model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
@@ -131,8 +137,25 @@ def load_checkpoint_model(ckpt: Path, cfg=None):
     return model, tok, {**meta, "config": cfg}
 
 
+def export_adapter(ckpt: Path, out: Path, cfg=None) -> dict:
+    """Write the PEFT adapter folder ``out`` from the LoRA checkpoint ``ckpt`` (``--adapter``)."""
+    from streamrl.learner.run_checkpoint import read_learner_state, read_run_config
+    from streamrl.models.lora_export import load_lora_checkpoint, save_adapter_folder
+
+    t0 = time.perf_counter()
+    cfg = cfg or read_run_config(Path(ckpt))
+    if cfg is None or not cfg.model.lora.active:
+        raise ValueError(f"--adapter: checkpoint {str(ckpt)!r} is not of a model.lora run")
+    peft_model, _ = load_lora_checkpoint(Path(ckpt), cfg)
+    save_adapter_folder(peft_model, Path(out))
+    params = [p for n, p in peft_model.named_parameters() if ".lora_" in n]
+    return {"step": read_learner_state(Path(ckpt))["step"], "tensors": len(params),
+            "bytes": sum(p.numel() * p.element_size() for p in params), "seconds": time.perf_counter() - t0}
+
+
 def export_checkpoint(ckpt: Path, out: Path, cfg=None, dtype: "torch.dtype | None" = None) -> dict:
-    """Write the HF folder ``out`` from the DCP checkpoint ``ckpt`` in this process.
+    """Write the HF folder ``out`` from the DCP checkpoint ``ckpt`` in this process (a LoRA
+    run's with the adapters merged).
 
     Args:
         cfg: the run config; None reads the one stored in the checkpoint.
@@ -159,7 +182,10 @@ def write_hf_folder(trainer, out_dir: str | Path, dtype: "torch.dtype | None" = 
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from streamrl.engines.adapter_merge import EngineWeights
     from streamrl.learner.critic import is_critic_param
+    from streamrl.models.lora import SCALING_NAME, engine_name
+    from streamrl.models.lora_export import plain_name
     from streamrl.parallel.expert_parallel import full_parameter
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -177,16 +203,26 @@ def write_hf_folder(trainer, out_dir: str | Path, dtype: "torch.dtype | None" = 
         for name, b in trainer.model.named_buffers():
             if name in keys:
                 model.get_buffer(name).copy_(b.detach().cpu())
+    lora = getattr(trainer, "lora", None)
+    adapters = []  # a LoRA learner's (name, full adapter tensor), merged once the base is in
     for name, p in trainer.model.named_parameters():
         if is_critic_param(name):
             continue
         with torch.no_grad():
             full = full_parameter(name, p, trainer.mesh)
+        if lora is not None:
+            ename = engine_name(name)
+            if ename is not None:
+                adapters.append((ename, full.detach().cpu()))
+                continue
+            name = plain_name(name)
         if rank == 0:
             if name not in params:
                 raise KeyError(f"write_hf_folder: learner parameter {name} has no place in {type(model).__name__}")
             params[name].data = full.detach().to("cpu", params[name].dtype, copy=True)
     if rank == 0:
+        if lora is not None:
+            EngineWeights(params).load(adapters + [(SCALING_NAME, torch.tensor([lora.scaling]))])
         model.tie_weights()
         _finish(model, source_folder(trainer.model), _tmp_dir(out), out, dtype)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -232,11 +268,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the HF folder to write (replaced if it exists)")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the trained dtype)")
     p.add_argument("--config", default=None, help="the run's YAML config, for checkpoints that store none")
+    p.add_argument("--adapter", action="store_true",
+                   help="model.lora runs: write the PEFT adapter folder instead of the merged model")
     args = p.parse_args(argv)
     try:
         dtype = parse_dtype(args.dtype)
         ckpt, cfg = _resolve_checkpoint(args)
-        info = export_checkpoint(ckpt, Path(args.out), cfg, dtype)
+        info = (export_adapter(ckpt, Path(args.out), cfg) if args.adapter
+                else export_checkpoint(ckpt, Path(args.out), cfg, dtype))
     except ValueError as e:  # ConfigError and CheckpointError are ValueErrors
         print(f"streamrl-export: {e}", file=sys.stderr)
         return 2

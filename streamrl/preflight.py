@@ -3,7 +3,8 @@
 :func:`~streamrl.config.load_config` checks values on their own (types, ranges, names).
 Preflight checks them against the world outside the config: the model folder or hub id
 exists (offline), every input file named in the config is there, reward and environment
-plug-ins import and are callable, the learner's expert-parallel degree fits the world size and the model, and an
+plug-ins import and are callable, the learner's expert-parallel degree fits the world size and the model,
+``model.lora`` fits the model (its target modules exist, its family is not refused), and an
 optional metric sink that was asked for (``run.wandb``) is installed.
 ``streamrl-launch --dry-run`` and the launcher's start run it; each problem is one line
 naming the dotted field, and the launcher exits 2 (bad input) instead of a child process
@@ -149,6 +150,15 @@ def check_parallel(cfg: Config, learner_world: int | None, folder: Path | None) 
     return []
 
 
+def check_lora(cfg: Config, folder: Path | None) -> list[str]:
+    """``model.lora`` against the model: a refused family, target modules that match nothing."""
+    if not cfg.model.lora.active or (cfg.model.path and folder is None):  # no model: check_model said so
+        return []
+    from streamrl.models.lora import lora_problems  # noqa: PLC0415 (torch, transformers, peft, as above)
+
+    return lora_problems(cfg.model, folder)
+
+
 def check_sinks(cfg: Config) -> list[str]:
     """Optional metric sinks that were asked for must be installed."""
     if cfg.run.wandb and not wandb_available():
@@ -170,6 +180,7 @@ def preflight(cfg: Config, learner_world: int | None = None) -> list[str]:
     problems += check_reward_plugins(cfg)
     problems += check_env_plugin(cfg)
     problems += check_parallel(cfg, learner_world, folder)
+    problems += check_lora(cfg, folder)
     problems += check_sinks(cfg)
     return problems
 

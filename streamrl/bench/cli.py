@@ -13,6 +13,7 @@ BENCHMARKS = {
     "weights": "weight broadcast: publish() to last ack, split gather/transfer/load",
     "rollout": "rollout worker loop vs the bare engine generate",
     "e2e": "asynchronous vs synchronous training, same config and resources",
+    "lora": "LoRA adapter versions vs full weights (bytes, seconds) and merged vs unmerged adapters",
     "learner": "learner step: padded full-vocab (before) vs packed micro-batches vs shared-prompt groups",
     "race": "time to held-out accuracy: StreamRL vs TRL's GRPOTrainer, same model, prompts and budget",
 }

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
 
-from streamrl.engines.base import Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
+from streamrl.engines.adapter_merge import EngineWeights
+from streamrl.engines.base import Generation, teacher_forced_logprobs
 
 
 def find_routers(model) -> list[torch.nn.Module]:
@@ -55,6 +56,7 @@ class HFEngine:
         # The sampling distribution is the behaviour policy: nothing from the folder may reshape it.
         self.model.generation_config = neutral_generation_config(self.eos_id, self.pad_id)
         self._params = dict(self.model.named_parameters())
+        self._weights = EngineWeights(self._params)
         self.routers = find_routers(self.model) if record_routing else []
         self._steps: list[list[torch.Tensor]] | None = None  # per forward: per layer [N, k]
         for layer_idx, router in enumerate(self.routers):
@@ -126,8 +128,9 @@ class HFEngine:
         return teacher_forced_logprobs(self.model, sequences, start, self.pad_id, self.device)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy into the existing parameter storage, all or nothing (captured graphs see it)."""
-        copy_weights_all_or_nothing(self._params, named_tensors)
+        """Copy (a full version) or merge (adapters, :mod:`streamrl.engines.adapter_merge`) into the
+        existing parameter storage, all or nothing (captured graphs see it)."""
+        self._weights.load(named_tensors)
 
     def close(self) -> None:
         self.model = None

@@ -59,7 +59,8 @@ from typing import Iterable
 
 import torch
 
-from streamrl.engines.base import BetweenSteps, Generation, copy_weights_all_or_nothing, teacher_forced_logprobs
+from streamrl.engines.adapter_merge import EngineWeights
+from streamrl.engines.base import BetweenSteps, Generation, teacher_forced_logprobs
 from streamrl.engines.decode_loop import DecodeLoop
 from streamrl.engines.dense_experts import DENSE
 from streamrl.engines.hf_fast_config import FLEX_MIN_LEN, FastHFConfig
@@ -125,6 +126,7 @@ class FastHFEngine:
         self._compiled_layers: list = []
         self._finish_fn = self._finish
         self._params = dict(model.named_parameters())
+        self._weights = EngineWeights(self._params)
         dtype = next(model.parameters()).dtype
         self.experts_impl = config.experts_implementation
         if self.experts_impl == "auto":
@@ -515,8 +517,9 @@ class FastHFEngine:
         return teacher_forced_logprobs(self.model, sequences, start, self.pad_id, self.device)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy into the existing parameter storage, all or nothing (captured graphs see it)."""
-        copy_weights_all_or_nothing(self._params, named_tensors)
+        """Copy (a full version) or merge (adapters, :mod:`streamrl.engines.adapter_merge`) into the
+        existing parameter storage, all or nothing (captured graphs see it)."""
+        self._weights.load(named_tensors)
 
     def close(self) -> None:
         for h in self._hooks:

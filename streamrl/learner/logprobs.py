@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from streamrl.models.lora import head_weight
+
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """Log-probs of the next tokens from full logits (evaluation and the padded reference step).
@@ -325,7 +327,7 @@ class HeadRequest:
 def _head_forward(head: nn.Linear, req: HeadRequest, hidden: torch.Tensor) -> torch.Tensor:
     """Replacement LM-head forward: hidden [1, n, H] -> [1, n, 3] (logp, entropy, value)."""
     h = hidden[0]
-    logp, ent = token_logprobs_chunked(h, head.weight, req.targets, req.temperature, req.chunk,
+    logp, ent = token_logprobs_chunked(h, head_weight(head), req.targets, req.temperature, req.chunk,
                                        req.with_entropy, head.bias, req.compiled)
     value = req.value_head(h) if req.value_head is not None else torch.zeros_like(logp)
     return torch.stack([logp, ent, value.float()], -1)[None]

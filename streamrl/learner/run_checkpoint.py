@@ -4,6 +4,8 @@ A checkpoint is a directory ``CKPT_DIR/step_00000012/`` holding
 
 * the DCP shards (every rank writes its own part in parallel): all parameters, **all**
   experts, AdamW state (step, exp_avg, exp_avg_sq), the router EMA, the optimizer step count;
+  with ``model.lora`` only the trained parameters (adapters, a value head) and their AdamW
+  state: the frozen base is read again from ``model.path`` (``Trainer.checkpointed_parameters``);
 * ``rng_rank{r}.safetensors`` + ``rng_rank{r}.json``: each rank's torch (CPU and CUDA) and
   Python RNG states;
 * ``learner_state.json`` (rank 0): step, version, data cursors and counters the caller passes,
@@ -96,7 +98,7 @@ def _state(trainer) -> dict[str, torch.Tensor]:
     """The DCP state dict of the trainer; its tensors share storage with the live ones."""
     opt, mesh = trainer.optim, trainer.mesh
     state: dict[str, torch.Tensor] = {"meta.steps_done": torch.tensor([trainer.steps_done], dtype=torch.int64)}
-    for name, p in trainer.model.named_parameters():
+    for name, p in trainer.checkpointed_parameters():
         view = (lambda t: global_expert_view(t, mesh)) if is_expert_param(name) else (lambda t: t)
         state[f"model.{name}"] = view(p)
         st = opt.state[p]
@@ -116,7 +118,7 @@ def _state(trainer) -> dict[str, torch.Tensor]:
 def _live_tensors(trainer) -> dict[str, torch.Tensor]:
     """The local tensors :func:`_state` wraps, by the same keys (to copy loaded values into)."""
     out = {}
-    for name, p in trainer.model.named_parameters():
+    for name, p in trainer.checkpointed_parameters():
         out[f"model.{name}"] = _local(p.data)
         st = trainer.optim.state[p]
         for sk in ("exp_avg", "exp_avg_sq", "step"):

@@ -32,6 +32,7 @@ from streamrl.learner.activation_checkpointing import checkpoint_decoder_layers
 from streamrl.learner.attention import packed_block_mask, resolve_attention, use_packed_attention
 from streamrl.learner.critic import attach_value_head, is_critic_param, value_head, vtrace_inputs
 from streamrl.learner.logprobs import HeadRequest, response_head
+from streamrl.learner.lora_policy import LoraPolicy
 from streamrl.learner.metrics import MetricSums, host_metrics, read_minibatch_metrics
 from streamrl.learner.moe_router import RouterController
 from streamrl.learner.h2d import h2d_grouped
@@ -72,8 +73,11 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         # Same seed on every rank: identical initial weights before sharding. An HF folder with
-        # model.load = sharded comes on the meta device; parallelize() loads each rank's shards.
-        model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed, defer_weights=True)
+        # model.load = sharded comes on the meta device; parallelize() loads each rank's shards
+        # by HF name, which PEFT's wrapping renames: a LoRA run loads whole, then wraps and shards.
+        lora = cfg.model.lora.active
+        model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed, defer_weights=not lora)
+        self.lora = LoraPolicy(model, cfg.model.lora, cfg.run.seed) if lora else None
         self.tokenizer = tok
         self.pad_id = tok.pad_token_id
         self.device = torch.device("cpu")
@@ -86,7 +90,7 @@ class Trainer:
         self.is_moe = bool(hf_blocks)
         self.mesh = build_mesh(lc.ep, self.device.type, self.num_experts)
         self.ref_model = None  # None with kl_coef > 0: the reference role scores (ref_logprobs in the batch)
-        if lc.kl_coef > 0 and not reference_role_configured(cfg):
+        if lc.kl_coef > 0 and not reference_role_configured(cfg) and self.lora is None:
             self.ref_model = load_reference_model(cfg, model)
             parallelize(self.ref_model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision)
         # The critic's head joins the model before sharding: the root fully_shard covers it,
@@ -96,6 +100,8 @@ class Trainer:
             attach_value_head(model)
         self.blocks = parallelize(model, self.mesh, self.device, lc.experts_impl, lc.mixed_precision,
                                   compile_layers=lc.compile)
+        if self.lora is not None:
+            self.lora.freeze_base()
         self.model = model
         # flex: packed rows get a BlockMask (masked tiles skipped); segments: each packed row's
         # attention by segment (the CPU default); padded inputs run sdpa either way.
@@ -107,12 +113,14 @@ class Trainer:
             checkpoint_decoder_layers(model)
         # Names and global shapes: the weights manifest is built from these (no value head:
         # rollout engines have no such parameter).
-        self.param_specs = [s for s in global_param_specs(model, lc.ep) if not is_critic_param(s[0])]
+        self.param_specs = self.lora.specs() if self.lora else [
+            s for s in global_param_specs(model, lc.ep) if not is_critic_param(s[0])]
         self.router = RouterController(model, self.blocks, lc)
         # Fused AdamW: one pass over each parameter instead of ~10 foreach passes (the foreach
         # default costs ~9 % of a 1.31 B MoE step on the H200, ~15 % of a 2 x 8 SmolLM2
         # shared-prompt step on 2 CPU cores; fused is 2-7x cheaper, memory bound).
-        self.optim = torch.optim.AdamW(model.parameters(), lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.99),
+        trained = self.lora.trainable() if self.lora else model.parameters()
+        self.optim = torch.optim.AdamW(trained, lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.99),
                                        fused=True)
         self.loss_fn = StepLoss(lc, self.num_experts, self.top_k, self.world, self.mesh.dp_group)
         self.steps_done = 0
@@ -330,6 +338,9 @@ class Trainer:
             if self.ref_model is not None:
                 with torch.no_grad():
                     tgt.ref_logp = self._run(self.ref_model, m, grid.width)[0]
+            elif self.lora is not None:  # the frozen base is the reference
+                with torch.no_grad(), self.lora.reference():
+                    tgt.ref_logp = self._run(self.model, m, grid.width)[0]
             else:
                 tgt.ref_logp = served_ref_logprobs(batch, m.rows).to(self.device)
         return tgt
@@ -342,7 +353,8 @@ class Trainer:
         if moe and self.router.frozen and self.steps_done >= lc.router_freeze_steps:
             self.router.update_freeze(self.steps_done, host_metrics(sums.values))
         self.router.drop_grads()
-        sums.values["learner/grad_norm"] = clip_grad_norm_on_device(self.model.parameters(), lc.grad_clip,
+        trained = [p for g in self.optim.param_groups for p in g["params"]]  # with LoRA: no frozen base
+        sums.values["learner/grad_norm"] = clip_grad_norm_on_device(trained, lc.grad_clip,
                                                                     self.mesh.dp_group)
         self.optim.step()
         if self.router.ema:
@@ -376,8 +388,16 @@ class Trainer:
         Every rank must iterate (each gather is a collective); only the consumer on rank 0
         keeps them, and only one at a time. With ``router_ema`` the routers are the EMA copies.
         """
+        if self.lora is not None:  # an adapter version: the adapters and their scaling
+            yield from self.lora.full_tensors(self.mesh)
+            return
         ema = self.router.ema_state() if self.router.ema else {}
         for name, p in self.model.named_parameters():
             if is_critic_param(name):  # the value head stays with the learner
                 continue
             yield ema[name] if name in ema else full_parameter(name, p, self.mesh)
+
+    def checkpointed_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) a checkpoint holds: all of them, or with LoRA the trained ones only
+        (the frozen base is read again from ``model.path`` on resume)."""
+        return self.lora.trainable_named() if self.lora is not None else self.model.named_parameters()

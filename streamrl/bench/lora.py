@@ -1,0 +1,180 @@
+"""``streamrl-bench lora``: a LoRA version against a full-weights version, same model, same run.
+
+The model is built from a config with random weights (no download): by default SmolLM2-135M's
+shapes (Llama, hidden 576, 30 layers, 9 heads / 3 kv heads, MLP 1536, vocab 49152). One
+process is the learner and the rollout engine: the publisher writes each version into the
+shared-memory store (real Redis, real checksums), the subscriber fetches, verifies and loads it
+into an engine's parameters (a full version is copied; an adapter version is merged from the
+base, :mod:`streamrl.engines.adapter_merge`). Reported per kind: bytes, publish seconds,
+fetch + verify + load seconds and end-to-end seconds (best of ``--repeat``); then the ratios
+(target: the adapter's publish-time ratio at most twice its bytes ratio), and the merged vs
+unmerged figure: seconds to merge every adapted projection against what the unmerged adapters
+add to one decode step's projections at batch ``--batch``.
+
+Example:
+    streamrl-bench lora --json                 # r = 8 on q/k/v/o, float32, SmolLM2-135M shapes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from streamrl.config import LoraConfig
+from streamrl.coord.coordinator import Coordinator
+from streamrl.engines.adapter_merge import EngineWeights
+from streamrl.launcher.redis_server import RedisServer
+from streamrl.models.lora import SCALING_NAME, adapter_parameters, apply_lora, lora_scaling
+from streamrl.weights.publisher import WeightPublisher
+from streamrl.weights.subscriber import WeightSubscriber
+
+
+class _Engine:
+    """The rollout side: an engine's parameters and its version loader."""
+
+    def __init__(self, model):
+        self.weights = EngineWeights(dict(model.named_parameters()))
+
+    def load_weights(self, named) -> None:
+        self.weights.load(named)
+
+
+def build(args):
+    """(engine model, LoRA learner model) of the same random base."""
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
+    dtype = getattr(torch, args.dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        engine = LlamaForCausalLM(cfg).to(dtype)
+    learner = LlamaForCausalLM(cfg).to(dtype)
+    learner.load_state_dict(engine.state_dict())
+    lora = LoraConfig(enabled=True, r=args.r, alpha=2.0 * args.r, target_modules=args.targets.split(","))
+    apply_lora(learner, lora)
+    with torch.no_grad():  # B = 0 at init: make the merge real work
+        for _, _, p in adapter_parameters(learner):
+            p.normal_(0, 0.01)
+    return engine, learner, lora
+
+
+def versions(engine, learner, lora):
+    """{kind: (specs, tensor list)} of a full version and an adapter version."""
+    full = [(n, p.detach()) for n, p in engine.named_parameters()]
+    adapters = [(e, p.detach()) for _, e, p in adapter_parameters(learner)]
+    adapters.append((SCALING_NAME, torch.tensor([lora_scaling(lora)], dtype=torch.float32)))
+    return {kind: ([(n, t.dtype, tuple(t.shape)) for n, t in items], [t for _, t in items])
+            for kind, items in (("full", full), ("lora", adapters))}
+
+
+def time_versions(url: str, engine, kinds: dict, repeat: int) -> dict:
+    """Publish + load each kind ``repeat`` times; best seconds of each phase per kind."""
+    run = f"bench-lora-{uuid.uuid4().hex[:8]}"
+    coord = Coordinator(url, run)
+    pub = WeightPublisher(coord, run, plane="shm", keep=2)
+    sub = WeightSubscriber(coord, plane="shm")
+    target = _Engine(engine)
+    out, version = {}, 0
+    try:
+        for kind, (specs, tensors) in kinds.items():
+            best: dict[str, float] = {}
+            for _ in range(repeat + 1):  # the first round allocates the store's pages
+                t0 = time.perf_counter()
+                timings = pub.publish(version, specs, iter(tensors))
+                t1 = time.perf_counter()
+                assert sub.load(target, 0, version) == version
+                t2 = time.perf_counter()
+                row = {"publish_s": t1 - t0, "load_s": t2 - t1, "e2e_s": t2 - t0}
+                best = {k: min(v, best.get(k, v)) for k, v in row.items()}
+                bytes_ = int(timings["weights/bytes"])
+                version += 1
+            out[kind] = {"bytes": bytes_, "tensors": len(specs), **{k: round(v, 5) for k, v in best.items()}}
+    finally:
+        sub.close()
+        pub.close()
+    return out
+
+
+def merge_vs_unmerged(engine, learner, lora, batch: int) -> dict:
+    """Seconds to merge every adapted projection vs the unmerged adapters' cost per decode step."""
+    base = dict(engine.named_parameters())
+    pairs = {}
+    for _, e, p in adapter_parameters(learner):
+        pairs.setdefault(e.rsplit(".", 2)[0], []).append(p.detach())
+    mods = [(base[f"{m}.weight"].detach(), a, b) for m, (a, b) in pairs.items()]
+    s = lora_scaling(lora)
+    specs, tensors = versions(engine, learner, lora)["lora"]
+    version = [(spec[0], t) for spec, t in zip(specs, tensors)]
+    weights = EngineWeights({k: v.detach().clone() for k, v in base.items()})
+
+    def best(fn, n):
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return min(ts)
+
+    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w, _, _ in mods}
+    merged = best(lambda: weights.load(version), 5)
+    plain = best(lambda: [x[w.shape[1]] @ w.T for w, _, _ in mods], 20)
+    extra = best(lambda: [x[w.shape[1]] @ w.T + (x[w.shape[1]] @ a.T.to(w.dtype)) @ b.T.to(w.dtype) * s
+                          for w, a, b in mods], 20)
+    return {"projections": len(mods), "merge_s": round(merged, 5), "decode_projections_s": round(plain, 5),
+            "decode_projections_unmerged_s": round(extra, 5),
+            "break_even_decode_steps": round(merged / max(extra - plain, 1e-9), 1)}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="streamrl-bench lora", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--r", type=int, default=8, help="adapter rank")
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="target modules, comma-separated")
+    p.add_argument("--layers", type=int, default=30, help="decoder layers")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--batch", type=int, default=16, help="decode batch of the merged vs unmerged figure")
+    p.add_argument("--repeat", type=int, default=3, help="timed rounds per kind (best is kept)")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.r < 1 or args.layers < 1 or args.repeat < 1:
+        raise ValueError(f"--r {args.r} / --layers {args.layers} / --repeat {args.repeat}: each must be >= 1")
+    engine, learner, lora = build(args)
+    server = None
+    url = args.redis_url
+    if url is None:
+        server = RedisServer(Path(tempfile.mkdtemp(prefix="streamrl-bench-redis-"))).start()
+        url = server.url
+    try:
+        rows = time_versions(url, engine, versions(engine, learner, lora), args.repeat)
+    finally:
+        if server is not None:
+            server.stop()
+    full, ad = rows["full"], rows["lora"]
+    out = {"bench": "lora", "r": args.r, "targets": args.targets, "dtype": args.dtype, "layers": args.layers, **rows,
+           "bytes_ratio": round(ad["bytes"] / full["bytes"], 5),
+           "publish_ratio": round(ad["publish_s"] / full["publish_s"], 5),
+           "e2e_ratio": round(ad["e2e_s"] / full["e2e_s"], 5),
+           "merge": merge_vs_unmerged(engine, learner, lora, args.batch)}
+    out["publish_ratio_over_bytes_ratio"] = round(out["publish_ratio"] / out["bytes_ratio"], 2)
+    for kind in ("full", "lora"):
+        r = rows[kind]
+        print(f"{kind:>4}: {r['bytes'] / 2**20:9.2f} MiB  publish {r['publish_s'] * 1e3:8.1f} ms  "
+              f"load {r['load_s'] * 1e3:8.1f} ms  e2e {r['e2e_s'] * 1e3:8.1f} ms")
+    print(f"merge {out['merge']}")
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

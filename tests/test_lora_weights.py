@@ -1,0 +1,89 @@
+"""Adapter-only weight versions: a LoRA trainer publishes A, B and the scaling (bytes of the
+adapter, not the model) through real Redis + shm; the hf and hf_fast engines merge them into
+bit-identical weights (base + scaling * B @ A, each version from the base, never from the last)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from streamrl.coord.coordinator import Coordinator
+from streamrl.engines.factory import build_engine
+from streamrl.learner.trainer import Trainer
+from streamrl.models.factory import build_model
+from streamrl.models.lora import base_weight_name, merged_weight
+from streamrl.weights.publisher import WeightPublisher
+from streamrl.weights.subscriber import WeightSubscriber
+
+from test_checkpoint import make_batch
+from test_lora_trainer import adapter_values, lora_cfg, set_adapters
+
+
+def expected_engine_weights(cfg, tr: Trainer) -> dict[str, torch.Tensor]:
+    """The plain HF model's parameters with the trainer's current adapters merged."""
+    base, _ = build_model(cfg.model, seed=cfg.run.seed)
+    params = {n: p.detach().clone() for n, p in base.named_parameters()}
+    version = {name: t.clone() for (name, _, _), t in zip(tr.param_specs, tr.full_tensors())}
+    scaling = float(version.pop("lora.scaling"))
+    for name in [n for n in version if n.endswith(".lora_A.weight")]:
+        w = base_weight_name(name)
+        params[w] = merged_weight(params[w], version[name], version[name.replace("lora_A", "lora_B")], scaling)
+    return params
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["hf", "hf_fast"])
+def test_adapter_versions_merge_bit_identical(redis_url, run_id, engine):
+    cfg = lora_cfg(f"rollout.engine={engine}")
+    tr = Trainer(cfg)
+    set_adapters(tr.model, adapter_values(cfg))
+    eng = build_engine(cfg)
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=8192)
+    sub = WeightSubscriber(coord, plane="auto")
+    try:
+        timings = pub.publish(0, tr.param_specs, tr.full_tensors())
+        adapter_bytes = sum(p.numel() * p.element_size() for p in tr.lora.trainable())
+        assert adapter_bytes <= timings["weights/bytes"] <= adapter_bytes + 4096  # + scaling, alignment
+        full_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+        assert timings["weights/bytes"] < full_bytes / 10
+        assert sub.load(eng, 0) == 0
+        for v in (0, 1):
+            if v == 1:  # a trained version merges from the base again, not on top of version 0
+                tr.step(make_batch(7, n=8))
+                pub.publish(1, tr.param_specs, tr.full_tensors())
+                assert sub.load(eng, 1) == 1
+            want = expected_engine_weights(cfg, tr)
+            got = dict(eng.model.named_parameters())
+            assert sorted(got) == sorted(want)
+            for name, t in want.items():
+                assert torch.equal(got[name], t), (v, name)
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_bad_adapter_version_loads_nothing():
+    cfg = lora_cfg()
+    eng = build_engine(cfg)
+    before = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+    name = "model.layers.0.self_attn.q_proj"
+    bad = [(f"{name}.lora_A.weight", torch.ones(4, 64)), (f"{name}.lora_B.weight", torch.ones(63, 4)),
+           ("lora.scaling", torch.tensor([2.0]))]
+    with pytest.raises(ValueError, match="do not make"):
+        eng.load_weights(bad)
+    with pytest.raises(ValueError, match="has only"):
+        eng.load_weights(bad[:1] + bad[2:])
+    assert all(torch.equal(p, before[n]) for n, p in eng.model.named_parameters())
+
+
+@pytest.mark.timeout(120)
+def test_bench_lora_reports_both_versions(capsys):
+    from streamrl.bench.lora import main
+
+    assert main(["--layers", "1", "--repeat", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["lora"]["bytes"] < out["full"]["bytes"] / 10
+    assert out["bytes_ratio"] == round(out["lora"]["bytes"] / out["full"]["bytes"], 5)
+    assert out["merge"]["projections"] == 4 and out["merge"]["merge_s"] > 0
