@@ -5,14 +5,11 @@ of it (cheap, and identical everywhere, :mod:`streamrl.learner.step_inputs`), an
 its own slice of trajectories. The loop of a step reads like any FSDP training loop: for each
 minibatch, for each of this rank's micro-batches, forward (:meth:`Trainer._run`), the
 objective (:class:`~streamrl.learner.step_loss.StepLoss`), backward; then clip and step.
-Losses are normalised by *global* counts (tokens or sequences) divided by the world size,
-because FSDP2's gradient reduce-scatter averages over ranks; the MoE router losses
-all-reduce their statistics so their gradient is that of the global loss too.
+Losses are normalised by *global* counts (tokens or sequences) divided by the world size, because
+FSDP2's reduce-scatter averages over ranks; the MoE router losses all-reduce their statistics too.
 
-With ``learner.drop_zero_advantage`` the per-sample metrics (``learner/entropy``,
-``clip_frac``, ``is_weight_mean``, ``is_truncated_frac``, ``behaviour_logprob_abs_diff``, the
-``moe/`` router metrics) cover only the trained samples; ``learner/dropped_zero_adv_frac``
-says how many were left out.
+With ``learner.drop_zero_advantage`` the per-sample metrics (entropy, clip and IS fractions, the
+``moe/`` router metrics) cover only the trained samples (``learner/dropped_zero_adv_frac``: the rest).
 """
 from __future__ import annotations
 
