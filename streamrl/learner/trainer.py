@@ -1,10 +1,9 @@
 """The learner's model, expert parallel + FSDP2 sharding, optimizer and one policy-gradient step.
 
-Every rank holds the full packed batch (broadcast from rank 0), computes advantages on all
-of it (cheap, and identical everywhere, :mod:`streamrl.learner.step_inputs`), and trains on
-its own slice of trajectories. The loop of a step reads like any FSDP training loop: for each
-minibatch, for each of this rank's micro-batches, forward (:meth:`Trainer._run`), the
-objective (:class:`~streamrl.learner.step_loss.StepLoss`), backward; then clip and step.
+Every rank holds the full packed batch (broadcast from rank 0), computes advantages on all of it (cheap,
+identical everywhere, :mod:`streamrl.learner.step_inputs`) and trains on its own slice of trajectories. A step
+reads like any FSDP training loop: for each minibatch, for each of this rank's micro-batches, forward
+(:meth:`Trainer._run`), the objective (:class:`~streamrl.learner.step_loss.StepLoss`), backward; clip, step.
 Losses are normalised by *global* counts (tokens or sequences) divided by the world size, because
 FSDP2's reduce-scatter averages over ranks; the MoE router losses all-reduce their statistics too.
 
