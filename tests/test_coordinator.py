@@ -135,3 +135,23 @@ def test_config_admission_wait_note_matches_the_reservation_script(redis_url, ru
             waited = True
             break
     assert waited == (admission_wait_note(batch, per_step, staleness, workers) is not None)
+
+
+def test_wait_config_waits_for_a_config_stored_late_and_names_the_run_when_none_comes(redis_url, run_id):
+    """A process that starts while Redis restarts empty waits for the launcher to re-store the config."""
+    c = Coordinator(redis_url, run_id)
+    stored = threading.Event()
+
+    def store_later():
+        c.r.set(c.keys.config, '{"run": {"name": "late"}}')
+        stored.set()
+
+    timer = threading.Timer(0.3, store_later)
+    timer.start()
+    try:
+        assert c.wait_config(timeout_s=30) == {"run": {"name": "late"}}
+        assert stored.is_set()
+    finally:
+        timer.cancel()
+    with pytest.raises(TimeoutError, match=f"no config in Redis for run {run_id}-other"):
+        Coordinator(redis_url, f"{run_id}-other").wait_config(timeout_s=0.2)

@@ -64,10 +64,7 @@ class Evaluator:
     def __init__(self, args):
         self.log = setup_logging("evaluator")
         self.coord = Coordinator(args.redis_url, args.run_id)
-        stored = self.coord.get_config()
-        if stored is None:
-            raise RuntimeError(f"no config in Redis for run {args.run_id}")
-        self.cfg = cfg = config_from_dict(stored)
+        self.cfg = cfg = config_from_dict(self.coord.wait_config())
         if cfg.weights.target != "hf":  # the evaluator's model is a transformers model
             raise ValueError(f"eval.interval = {cfg.eval.interval} needs weights.target = 'hf' (transformers names), "
                              f"not {cfg.weights.target!r}")

@@ -89,10 +89,7 @@ class RolloutWorker:
         self.wid = args.worker_id
         self.log = setup_logging(f"rollout[{self.wid}]")
         self.coord = Coordinator(args.redis_url, args.run_id)
-        stored = self.coord.get_config()
-        if stored is None:
-            raise RuntimeError(f"no config in Redis for run {args.run_id}")
-        self.cfg = cfg = config_from_dict(stored)
+        self.cfg = cfg = config_from_dict(self.coord.wait_config())
         self.coord.set_outage_s(cfg.deadlines.redis_outage_s)
         self.name = f"rollout-{self.wid}"
         if args.device:

@@ -44,6 +44,8 @@ return 1
 # How long one Redis call keeps retrying a lost connection before it raises (bounded: no
 # process hangs forever on a dead Redis), and long enough to ride out a restart of Redis.
 OUTAGE_S = 60.0
+# How long a starting process waits for the run's config in Redis (before it has read any deadline).
+CONFIG_WAIT_S = 60.0
 
 
 class OutageRetry(Retry):
@@ -140,6 +142,17 @@ class Coordinator:
     def get_config(self) -> dict[str, Any] | None:
         raw = self.r.get(self.keys.config)
         return json.loads(raw) if raw else None
+
+    def wait_config(self, timeout_s: float = CONFIG_WAIT_S) -> dict[str, Any]:
+        """The run's stored config, waiting for it: a process that starts while an embedded Redis
+        restarts empty finds no config until the launcher re-stores it (within a second or two)."""
+        deadline = time.monotonic() + timeout_s
+        while (stored := self.get_config()) is None:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no config in Redis for run {self.keys.run} within {timeout_s:.0f} s "
+                                   f"(the launcher stores it before it starts any process)")
+            time.sleep(0.1)
+        return stored
 
     # -- weights versions ------------------------------------------------------------------
     def publish_version(self, version: int, manifest: dict[str, Any], keep: int = 3) -> None:

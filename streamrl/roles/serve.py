@@ -55,10 +55,7 @@ def run_role_server(role: str, args: argparse.Namespace, device: str | None, mak
     log = setup_logging(role)
     limit_threads()
     coord = Coordinator(args.redis_url, args.run_id)
-    stored = coord.get_config()
-    if stored is None:
-        raise RuntimeError(f"no config in Redis for run {args.run_id}")
-    cfg = config_from_dict(stored)
+    cfg = config_from_dict(coord.wait_config())
     stopping = False
 
     def on_signal(signum, frame):
