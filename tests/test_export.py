@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 from test_checkpoint import make_batch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamrl.config import ConfigError, load_config
 from streamrl.export import export_checkpoint, main, write_hf_folder
 from streamrl.learner.run_checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
 from streamrl.learner.trainer import Trainer
-from streamrl.models.tokenizer import build_char_tokenizer
 
 from tests.dist_helpers import spawn_gloo
+from tests.model_helpers import tiny_llama_folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = torch.tensor([[1, 5, 9, 4, 12, 7, 3, 18], [1, 11, 6, 6, 2, 19, 8, 10]])
@@ -79,21 +79,9 @@ def test_moe_two_ranks_ep2_with_value_head_exports_exactly(tmp_path):
     torch.testing.assert_close(_hf_logits(tmp_path / "live_hf"), ref[0], atol=1e-5, rtol=0)
 
 
-def _tiny_llama_folder(folder: Path) -> Path:
-    """A tiny random dense LlamaForCausalLM folder with the character tokenizer."""
-    tok = build_char_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
-                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
 
 def test_dense_llama_export_bf16_and_errors(tmp_path):
-    src = _tiny_llama_folder(tmp_path / "src")
+    src = tiny_llama_folder(tmp_path / "src")
     ref = _train_save(0, 1, str(tmp_path), [f"model.path={src}"])
     out = tmp_path / "export"
     info = export_checkpoint(latest_checkpoint(tmp_path / "checkpoints"), out)

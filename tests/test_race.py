@@ -6,27 +6,13 @@ import json
 import math
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from streamrl.bench import race
 from streamrl.bench.race_curve import compare, curve_fields, time_to_accuracy
-from streamrl.models.tokenizer import build_char_tokenizer
+from tests.model_helpers import tiny_llama_folder
 
 pytest.importorskip("trl")
 
-
-def tiny_llama(folder):
-    """A tiny random LlamaForCausalLM folder with the character tokenizer (TRL loads it as is)."""
-    tok = build_char_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
-                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
 
 
 def pt(t, acc, n=100):
@@ -66,7 +52,7 @@ def test_combine_names_a_missing_side(tmp_path, capsys):
 
 def test_race_runs_both_sides_and_scores_them_with_one_evaluator(tmp_path, repo):
     """Both sides of a tiny race (one invocation each, then --combine): every point is a real score."""
-    model = tiny_llama(tmp_path / "model")
+    model = tiny_llama_folder(tmp_path / "model")
     out = tmp_path / "race"
     common = ["--config", str(repo / "configs/tiny.yaml"), "--out", str(out), "--budget-s", "40", "--device", "cpu",
               "--export-every", "2", f"model.path={model}", "eval.size=16", "rollout.max_new_tokens=6",
