@@ -13,6 +13,7 @@ from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.rewards import CombinedReward, build_reward
 from streamrl.tasks import build_task
 from streamrl.tasks.registry import Problem
+from tests.model_helpers import tiny_llama_folder
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +112,7 @@ def test_held_out_families_are_scored_apart():
 
 
 def test_eval_cli_scores_an_exported_folder_by_model(tmp_path, capsys):
-    from test_race import tiny_llama
-
-    folder = tiny_llama(tmp_path / "hf")
+    folder = tiny_llama_folder(tmp_path / "hf")
     assert eval_main(["--config", "configs/tiny.yaml", "--model", str(folder), "--json", "eval.size=3"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["model"] == str(folder) and res["eval/n"] == 3
