@@ -101,6 +101,7 @@ def main(argv=None) -> int:
             if warmup_s:  # reported with the first step: busy time, not idle (streamrl.learner.warmup)
                 metrics["learner/warmup_s"], warmup_s = warmup_s, 0.0
             if rank == 0:
+                metrics["learner/checkpoint_failures"] = ckpt.failures  # saves that did not fit on the disk
                 report.step(run, batch, metrics, idle, time.perf_counter() - t_step)
             ckpt.maybe_save(run.step)  # after the bookkeeping above, so the saved counters include this step
         ckpt.save_on_stop(run.step)  # clean stop (steps done or stop requested): every rank is here

@@ -24,13 +24,16 @@ resumes with ``ep = 1`` or ``ep = 4`` and loads in one process. RNG streams are 
 when the world size is the same (otherwise each rank keeps its fresh seed).
 
 Writes go to a hidden temp directory renamed into place after a barrier, so a crash during a
-save never leaves a half checkpoint that :func:`latest_checkpoint` would pick. Nothing here
-unpickles: DCP metadata is read by torch, the rest is JSON and safetensors.
+save never leaves a half checkpoint that :func:`latest_checkpoint` would pick. A disk that
+fills up (before or during the write) raises :class:`CheckpointDiskFull` on every rank alike
+and removes the temp directory: the previous checkpoint stays the latest and loadable. Nothing
+here unpickles: DCP metadata is read by torch, the rest is JSON and safetensors.
 """
 from __future__ import annotations
 
 import errno
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -41,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from tensordict import TensorDict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from streamrl.config import config_from_dict
@@ -55,6 +59,45 @@ CONFIG_FILE = "config.json"
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete or incompatible with this run."""
+
+
+# "disk full" and "quota exceeded": the errors a save may outlive (space can be freed meanwhile)
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointDiskFull(OSError):
+    """A checkpoint did not fit on its disk; nothing of it was left behind.
+
+    Attributes: ``step``, ``root`` (the checkpoint directory), ``need`` (bytes of model and
+    optimizer tensors, summed over ranks when the check ran before writing) and ``free`` (bytes).
+    """
+
+    def __init__(self, code: int, step: int, root: Path, need: int, free: int, why: str):
+        super().__init__(code, f"checkpoint of step {step} needs ~{need / 2**30:.2f} GiB ({need} bytes, model + "
+                               f"optimizer), {free / 2**30:.2f} GiB ({free} bytes) free in {root}: {why}; free "
+                               f"space there, set checkpoint.dir elsewhere or lower checkpoint.keep_last")
+        self.step, self.root, self.need, self.free = step, Path(root), need, free
+
+
+def disk_full_error(exc: BaseException) -> OSError | None:
+    """The disk-full ``OSError`` behind ``exc``, or None.
+
+    DCP wraps each rank's writer error in a :class:`CheckpointException`, and torch's zip writer
+    turns ENOSPC into ``RuntimeError("unexpected pos ...")`` with the OSError as its context, so
+    the cause is looked for through both.
+    """
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return e
+        if isinstance(e, CheckpointException):
+            todo.extend(failure for failure, _ in e.failures.values())
+        todo.extend((e.__cause__, e.__context__))
+    return None
 
 
 def _barrier() -> None:
@@ -72,6 +115,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _local_bytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes of this rank's part of the model and optimizer tensors in ``state``."""
+    return sum(_local(t).numel() * _local(t).element_size() for t in state.values())
+
+
 def _check_free_space(folder: Path, step: int, state: dict[str, torch.Tensor], device: torch.device) -> None:
     """Refuse a save the disk cannot hold before writing any of it (every rank raises alike).
 
@@ -79,9 +127,7 @@ def _check_free_space(folder: Path, step: int, state: dict[str, torch.Tensor], d
     a partial folder. The estimate is the model and optimizer tensors of every rank; the RNG,
     buffer and metadata files are small next to them.
     """
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in state.values()]
-    need = sum(t.numel() * t.element_size() for t in local)
-    free = shutil.disk_usage(folder).free
+    need, free = _local_bytes(state), shutil.disk_usage(folder).free
     if dist.is_initialized() and dist.get_world_size() > 1:  # tensors, not pickled objects, between ranks
         total = torch.tensor([float(need)], dtype=torch.float64, device=device)
         least = torch.tensor([float(free)], dtype=torch.float64, device=device)
@@ -89,9 +135,29 @@ def _check_free_space(folder: Path, step: int, state: dict[str, torch.Tensor], d
         dist.all_reduce(least, op=dist.ReduceOp.MIN)
         need, free = int(total.item()), int(least.item())
     if need > free:
-        raise OSError(errno.ENOSPC, f"checkpoint of step {step} needs ~{need / 2**30:.2f} GiB (model + optimizer), "
-                                    f"{free / 2**30:.2f} GiB free in {folder.parent}: free space there or set "
-                                    f"checkpoint.dir elsewhere")
+        raise CheckpointDiskFull(errno.ENOSPC, step, folder.parent, need, free, "refused before writing")
+
+
+def _disk_now_full(exc: BaseException, folder: Path, state: dict[str, torch.Tensor]) -> OSError | None:
+    """ENOSPC when a failed write left less room in ``folder`` than this rank's tensors need.
+
+    Between initialised ranks DCP pickles each writer's error, which drops its context: a full
+    disk then arrives as a bare ``RuntimeError("unexpected pos ...")``, so the disk is asked.
+    """
+    if not isinstance(exc, (Exception, CheckpointException)) or not folder.exists():
+        return None  # an interrupt, or nothing was written
+    if shutil.disk_usage(folder).free >= _local_bytes(state):
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _agreed_errno(code: int, device: torch.device) -> int:
+    """The largest of every rank's ``code`` (0: no error), so that all ranks fail a save together."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return code
+    t = torch.tensor([code], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _state(trainer) -> dict[str, torch.Tensor]:
@@ -153,7 +219,8 @@ def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first."""
     if not root.is_dir():
         return []
-    done = [d for d in root.iterdir() if d.is_dir() and d.name.startswith(_PREFIX) and (d / "learner_state.json").is_file()]
+    done = [d for d in root.iterdir()
+            if d.is_dir() and d.name.startswith(_PREFIX) and (d / "learner_state.json").is_file()]
     return sorted(done, key=lambda d: int(d.name[len(_PREFIX):]))
 
 
@@ -185,25 +252,16 @@ def save_checkpoint(root: Path, step: int, trainer, learner_state: dict[str, Any
     state = _state(trainer)
     try:
         _check_free_space(tmp, step, state, trainer.device)
-    except OSError:
+        dcp.save(state, checkpoint_id=str(tmp))  # a writer error is raised on every rank (DCP gathers them)
+        _write_rank_files(tmp, rank, step, trainer, learner_state, buffer_items, seen_ids, extra_tensors)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        full = disk_full_error(e) or _disk_now_full(e, tmp, state)
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    dcp.save(state, checkpoint_id=str(tmp))
-    rng_t, rng_m = _rng_state()
-    save_file(rng_t, str(tmp / f"rng_rank{rank}.safetensors"))
-    (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_m))
-    if rank == 0:
-        if buffer_items is not None or seen_ids:
-            tensors = {f"traj.{k}": v.contiguous() for k, v in (buffer_items.items() if buffer_items is not None else [])}
-            tensors["seen_ids"] = torch.tensor(list(seen_ids or []), dtype=torch.int64)
-            save_file(tensors, str(tmp / "buffer.safetensors"))
-        if extra_tensors:
-            save_file({k: v.contiguous() for k, v in extra_tensors.items()}, str(tmp / "extra.safetensors"))
-        meta = {"step": step, "world": trainer.world, "ep": trainer.mesh.dims.ep, "format": FORMAT,
-                **(learner_state or {})}
-        (tmp / "learner_state.json").write_text(json.dumps(meta, indent=1))
-        (tmp / CONFIG_FILE).write_text(json.dumps(trainer.cfg.to_dict(), indent=1))
+            shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint stays the latest
+        if full is None or isinstance(e, CheckpointDiskFull):
+            raise
+        raise CheckpointDiskFull(full.errno, step, root, _local_bytes(state), shutil.disk_usage(root).free,
+                                 f"{full.strerror} while writing {tmp}") from e
     _barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -213,6 +271,41 @@ def save_checkpoint(root: Path, step: int, trainer, learner_state: dict[str, Any
                 shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _write_rank_files(tmp: Path, rank: int, step: int, trainer, learner_state, buffer_items, seen_ids,
+                      extra_tensors) -> None:
+    """This rank's RNG files and rank 0's buffer, extras, ``learner_state.json`` and config.
+
+    The ranks agree on the outcome before returning: one rank's full disk fails the save on
+    every rank, instead of leaving the others waiting at the next barrier.
+    """
+    error = None
+    try:
+        rng_t, rng_m = _rng_state()
+        save_file(rng_t, str(tmp / f"rng_rank{rank}.safetensors"))
+        (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_m))
+        if rank == 0:
+            if buffer_items is not None or seen_ids:
+                items = buffer_items.items() if buffer_items is not None else []
+                tensors = {f"traj.{k}": v.contiguous() for k, v in items}
+                tensors["seen_ids"] = torch.tensor(list(seen_ids or []), dtype=torch.int64)
+                save_file(tensors, str(tmp / "buffer.safetensors"))
+            if extra_tensors:
+                save_file({k: v.contiguous() for k, v in extra_tensors.items()}, str(tmp / "extra.safetensors"))
+            meta = {"step": step, "world": trainer.world, "ep": trainer.mesh.dims.ep, "format": FORMAT,
+                    **(learner_state or {})}
+            (tmp / "learner_state.json").write_text(json.dumps(meta, indent=1))
+            (tmp / CONFIG_FILE).write_text(json.dumps(trainer.cfg.to_dict(), indent=1))
+    except Exception as e:  # safetensors reports a full disk as its own error, the OSError as context
+        error = e
+    full = disk_full_error(error) if error is not None else None
+    # EIO stands for any other error: a disk-full errno outranks it, so every rank reports disk full
+    code = _agreed_errno(full.errno if full is not None else (errno.EIO if error is not None else 0), trainer.device)
+    if error is not None:
+        raise error
+    if code:
+        raise OSError(code, f"another learner rank failed writing {tmp}")
 
 
 def load_checkpoint(path: Path, trainer) -> tuple[dict[str, Any], Any, list[int]]:
