@@ -73,9 +73,10 @@ class CheckpointDiskFull(OSError):
     """
 
     def __init__(self, code: int, step: int, root: Path, need: int, free: int, why: str):
-        super().__init__(code, f"checkpoint of step {step} needs ~{need / 2**30:.2f} GiB ({need} bytes, model + "
-                               f"optimizer), {free / 2**30:.2f} GiB ({free} bytes) free in {root}: {why}; free "
-                               f"space there, set checkpoint.dir elsewhere or lower checkpoint.keep_last")
+        super().__init__(code, f"checkpoint of step {step} needs ~{need / 2**30:.2f} GiB ({need} bytes of model and "
+                               f"optimizer tensors, plus metadata), {free / 2**30:.2f} GiB ({free} bytes) free in "
+                               f"{root}: {why}; free space there, set checkpoint.dir elsewhere or lower "
+                               f"checkpoint.keep_last")
         self.step, self.root, self.need, self.free = step, Path(root), need, free
 
 

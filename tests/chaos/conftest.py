@@ -189,3 +189,12 @@ def check_consistent(run: Run, steps: int) -> dict:
     assert state["step"] == steps and state["run"]["version"] == s["final_version"]
     assert state["intake"]["ledger"]["trained"] == acc["trained"]
     return s
+
+
+def fault_line(name: str, detected_s: float, recovered_s: float, s: dict, **more) -> None:
+    """Print the ``FAULT`` line docs/faults.md's measured table is made from (``more``: case details)."""
+    acc = s["accounting"]
+    print("FAULT", json.dumps({"case": name, "detected_s": round(detected_s, 1), "recovered_s": round(recovered_s, 1),
+                               "ledger": {k: acc[k] for k in ("produced", "trained", "pending_at_end", "lost_total",
+                                                              "rejected_trajectories", "duplicated")},
+                               "lost": acc["lost"], **more}))
