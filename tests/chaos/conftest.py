@@ -198,3 +198,15 @@ def fault_line(name: str, detected_s: float, recovered_s: float, s: dict, **more
                                "ledger": {k: acc[k] for k in ("produced", "trained", "pending_at_end", "lost_total",
                                                               "rejected_trajectories", "duplicated")},
                                "lost": acc["lost"], **more}))
+
+
+def check_ledger(s: dict, lost_ok: set[str] = frozenset({"stale"})) -> dict:
+    """The ledger of a finished or cleanly stopped run's summary ``s``: every trajectory produced
+    is trained, pending or dropped by a counted reason in ``lost_ok``; none trained twice."""
+    acc = s["accounting"]
+    print("ACCOUNTING", json.dumps({k: s.get(k) for k in ("status", "steps", "final_version")}), json.dumps(acc))
+    assert acc["balanced"] and acc["duplicated"] == 0, acc
+    assert acc["produced"] == acc["trained"] + acc["pending_at_end"] + acc["lost_total"] + acc["rejected_trajectories"]
+    assert acc["trained"] == s["steps"] * 4 * 8  # groups_per_step * group_size (FAST) per step
+    assert set(acc["lost"]) <= set(lost_ok), acc["lost"]
+    return acc
