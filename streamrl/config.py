@@ -27,6 +27,7 @@ from streamrl.placement import validate_placement_config
 from streamrl.rewards import RewardSpecError, parse_reward_spec
 from streamrl.tasks import available_tasks
 from streamrl.tasks.reasoning import ANSWER_FORMATS, parse_datasets
+from streamrl.weights.planes import ipc_obstacle
 
 
 def _check(cond: bool, name: str, value: Any, why: str) -> None:
@@ -615,7 +616,9 @@ class CriticConfig:
 @dataclass
 class WeightsConfig:
     data_plane: str = "auto"
-    """Weights data plane: auto (shm on the learner's host, else zmq), shm, zmq, nccl, gloo."""
+    """Weights data plane: auto (ipc when the learner and every worker are on CUDA on one host, else shm on the
+    learner's host and zmq for others), shm, zmq, ipc (CUDA IPC of two learner GPU buffers: at most 2 versions'
+    bytes of extra GPU memory), nccl, gloo."""
     bucket_mb: int = 64
     """Bucket size in MiB: unit of gather, transfer, checksum and re-fetch (peak extra memory)."""
     keep_versions: int = 3
@@ -632,8 +635,8 @@ class WeightsConfig:
     """Torch intra-op threads a subscriber uses for bucket checksums (restored after each fetch)."""
 
     def validate(self, p: str) -> None:
-        _check(self.data_plane in ("auto", "shm", "zmq", "nccl", "gloo"), f"{p}.data_plane", self.data_plane,
-               "must be auto, shm, zmq, nccl or gloo")
+        _check(self.data_plane in ("auto", "shm", "zmq", "ipc", "nccl", "gloo"), f"{p}.data_plane", self.data_plane,
+               "must be auto, shm, zmq, ipc, nccl or gloo")
         _check(self.bucket_mb >= 1, f"{p}.bucket_mb", self.bucket_mb, "must be >= 1")
         _check(self.keep_versions >= 1, f"{p}.keep_versions", self.keep_versions, "must be >= 1")
         _check(self.checksum in ("sum64", "crc32"), f"{p}.checksum", self.checksum, "must be sum64 or crc32")
@@ -749,6 +752,10 @@ class Config:
                    f"{self.learner.groups_per_step} admission at this bound would stall at version {stuck}: raise it")
         _check(not (self.model.lora.active and self.rollout.engine == "vllm"), "rollout.engine", self.rollout.engine,
                "model.lora needs rollout.engine = hf or hf_fast (adapter versions are merged by those engines)")
+        obstacle = ipc_obstacle(self) if self.weights.data_plane == "ipc" else None
+        if obstacle is not None:
+            name, value, why = obstacle
+            _check(False, name, value, f"{why} (weights.data_plane = ipc)")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """``streamrl-bench weights``: weight broadcast from ``publish()`` to the last ack.
 
-For each data plane (shm, zmq), model size and subscriber count, the benchmark process is
+For each data plane (shm, zmq, and with ``--device cuda`` ipc: device buffers shared through
+CUDA IPC, engines loaded device to device), model size and subscriber count, the benchmark process is
 the learner: it holds each parameter as two dim-0 shards (like a 2-rank FSDP2 learner) and
 its gather makes the full tensor (``torch.cat``), so gather memory is real. Subscribers are
 subprocesses with a preallocated "engine" (a dict of tensors, loaded by ``copy_``, all or
@@ -14,14 +15,16 @@ Reported per row: end-to-end seconds from ``publish()`` to the last ack and GB/s
 gather / write (publisher) / transfer (subscriber fetch wall time, overlapping the publish)
 / verify / load (slowest subscriber); peak extra publisher memory (anonymous RSS above the
 baseline, sampled every ms; shared-memory store pages are the data plane's, not counted);
-and in the same run, on the same bytes: a plain single-threaded ``memcpy`` and raw ZeroMQ
-(bucket-sized zero-copy messages over TCP loopback to a subprocess, no checksums, no load).
+and in the same run, on the same bytes: a plain single-threaded ``memcpy``, raw ZeroMQ
+(bucket-sized zero-copy messages over TCP loopback to a subprocess, no checksums, no load) and,
+for ipc, one device-to-device copy.
 Every copy runs on one thread unless ``--sub-threads`` gives the subscribers more (the
 baselines stay single-threaded). With a GPU learner / engine the store is page-locked for
 CUDA (``--pin off``: the pageable path, for comparison).
 
-With ``--json`` the last line is one JSON object: ``shm_ratio_vs_memcpy`` and
-``zmq_ratio_vs_raw_zmq`` (largest size, 1 subscriber: baseline time / end-to-end time),
+With ``--json`` the last line is one JSON object: ``shm_ratio_vs_memcpy``,
+``zmq_ratio_vs_raw_zmq`` and ``ipc_ratio_vs_d2d`` (largest size, 1 subscriber: baseline time /
+end-to-end time),
 ``peak_extra_over_bucket`` (max over rows), and ``rows``.
 """
 from __future__ import annotations
@@ -129,6 +132,20 @@ def pinned_copy_s(nbytes: int, device: str, reps: int = 3) -> tuple[float, float
     return d2h, h2d
 
 
+def device_copy_s(nbytes: int, device: str, reps: int = 3) -> float:
+    """Best seconds of one device-to-device copy of ``nbytes`` on ``device``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def raw_zmq_s(nbytes: int, msg_bytes: int, reps: int = 2) -> float:
     """Best time to push ``nbytes`` in ``msg_bytes`` messages to a subprocess and hear back."""
     ctx = zmq.Context(io_threads=2)
@@ -218,11 +235,13 @@ def run_plane(plane: str, sizes_mb: list[int], subs: list[int], args, redis_url:
     coord = Coordinator(redis_url, run)
     active_key = coord.keys._k("bench", "active")
     coord.r.set(active_key, 0)
-    pub = WeightPublisher(coord, run, plane="auto", bucket_bytes=args.bucket_mb * MB, keep=KEEP,
-                          checksum=args.checksum, pin_store=args.pin == "on")
+    pub = WeightPublisher(coord, run, plane="ipc" if plane == "ipc" else "auto", bucket_bytes=args.bucket_mb * MB,
+                          keep=KEEP, checksum=args.checksum, pin_store=args.pin == "on")
     procs = [subprocess.Popen([sys.executable, "-m", "streamrl.bench.weights", "--subscriber",
                                "--redis-url", redis_url, "--run", run, "--worker-id", str(w),
-                               "--plane", plane, "--streams", str(args.streams), "--device", args.sub_device,
+                               # ipc subscribers follow the manifest's plane
+                               "--plane", "auto" if plane == "ipc" else plane, "--streams", str(args.streams),
+                               "--device", args.sub_device,
                                "--pin", args.pin, "--sub-threads", str(args.sub_threads)])
              for w in range(1, max(subs) + 1)]
     rows, version = [], 0
@@ -265,9 +284,11 @@ def run_plane(plane: str, sizes_mb: list[int], subs: list[int], args, redis_url:
 
 def _baselines(plane: str, nbytes: int, args) -> dict:
     """Seconds of the bare copies a row is compared with, on the same bytes: ``memcpy``,
-    ``raw_zmq`` (zmq plane only, else None), ``pinned`` (GPU learner: (D2H, H2D), else None)."""
+    ``raw_zmq`` (zmq plane only, else None), ``d2d`` (ipc plane only, else None), ``pinned``
+    (GPU learner: (D2H, H2D), else None)."""
     return {"memcpy": memcpy_s(nbytes, args.device),
             "raw_zmq": raw_zmq_s(nbytes, args.bucket_mb * MB) if plane == "zmq" else None,
+            "d2d": device_copy_s(nbytes, args.device) if plane == "ipc" else None,
             "pinned": pinned_copy_s(nbytes, args.device) if args.device.startswith("cuda") else None}
 
 
@@ -307,6 +328,8 @@ def _row(plane: str, size: int, n: int, e2e: float, pt: dict, peak: int, st: lis
                    ratio_vs_pinned_d2h_h2d=(d2h + h2d) / e2e)
     if base["raw_zmq"] is not None:
         row.update(raw_zmq_gbps=nbytes / base["raw_zmq"] / 1e9, ratio_vs_raw_zmq=base["raw_zmq"] / e2e)
+    if base["d2d"] is not None:
+        row.update(d2d_gbps=nbytes / base["d2d"] / 1e9, ratio_vs_d2d=base["d2d"] / e2e)
     return row
 
 
@@ -317,6 +340,7 @@ def _mem_estimate(plane: str, nbytes: int, n: int) -> int:
 
 def _print_row(r: dict) -> None:
     extra = f" raw_zmq {r['raw_zmq_gbps']:.2f} GB/s ratio {r['ratio_vs_raw_zmq']:.2f}" if "raw_zmq_gbps" in r else ""
+    extra += f" d2d {r['d2d_gbps']:.2f} GB/s ratio {r['ratio_vs_d2d']:.2f}" if "d2d_gbps" in r else ""
     print(f"{r['plane']:>4} {r['size_mb']:>6} MB x{r['subscribers']}: {r['e2e_s']:.3f} s {r['gbps']:.2f} GB/s | "
           f"publish {r['publish_s']:.3f} (gather {r['gather_s']:.3f} write {r['write_s']:.3f}) "
           f"transfer {r['transfer_s']:.3f} verify {r['verify_s']:.3f} load {r['load_s']:.3f} | peak +{r['peak_extra_mb']:.0f} MB | "
@@ -328,7 +352,7 @@ def parse_args(argv):
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--sizes", default="10,100,1000", help="model sizes in MB, comma-separated (up to 2000)")
     p.add_argument("--subscribers", default="1,2,4", help="subscriber counts, comma-separated (1-4)")
-    p.add_argument("--planes", default="shm,zmq", help="data planes to measure")
+    p.add_argument("--planes", default="shm,zmq", help="data planes to measure: shm, zmq, ipc (--device cuda)")
     p.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MB")
     p.add_argument("--tensor-mb", type=int, default=16, help="size of each model tensor in MB")
     p.add_argument("--checksum", default="sum64", choices=["sum64", "crc32"])
@@ -371,8 +395,10 @@ def main(argv=None) -> int:
         raise ValueError(f"--subscribers {args.subscribers!r}: each must be in [1, 8]")
     if args.sub_threads < 1:
         raise ValueError(f"--sub-threads {args.sub_threads}: must be >= 1")
-    if set(planes) - {"shm", "zmq"}:
-        raise ValueError(f"--planes {args.planes!r}: choose from shm, zmq")
+    if set(planes) - {"shm", "zmq", "ipc"}:
+        raise ValueError(f"--planes {args.planes!r}: choose from shm, zmq, ipc")
+    if "ipc" in planes and not (args.device.startswith("cuda") and args.sub_device.startswith("cuda")):
+        raise ValueError(f"--planes {args.planes!r}: ipc shares GPU buffers, it needs --device cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device!r}: no CUDA device here")
     torch.set_num_threads(1)  # every copy in this benchmark, baselines included, uses one thread
@@ -391,7 +417,8 @@ def main(argv=None) -> int:
     out = {"bench": "weights", "device": args.device, "bucket_mb": args.bucket_mb, "checksum": args.checksum,
            "pin": args.pin, "sub_threads": args.sub_threads, "rows": rows}
     for plane, key, base in (("shm", "shm_ratio_vs_memcpy", "ratio_vs_memcpy"),
-                             ("zmq", "zmq_ratio_vs_raw_zmq", "ratio_vs_raw_zmq")):
+                             ("zmq", "zmq_ratio_vs_raw_zmq", "ratio_vs_raw_zmq"),
+                             ("ipc", "ipc_ratio_vs_d2d", "ratio_vs_d2d")):
         one = [r for r in rows if r["plane"] == plane and r["subscribers"] == 1]
         if one:
             out[key] = max(one, key=lambda r: r["size_mb"])[base]

@@ -20,6 +20,8 @@ Data planes (``plane``):
   ``auto`` and ``shm`` also run the server, so any subscriber can pick by host.
 * ``nccl`` / ``gloo``: broadcast of bucket buffers in a fixed group of the publisher and
   ``collective_world - 1`` subscribers (:mod:`streamrl.weights.collective`).
+* ``ipc``: two device buffers shared with CUDA IPC; subscribers on GPUs of this host copy
+  device to device (:mod:`streamrl.weights.ipc`; at most 2 versions' bytes of extra GPU memory).
 """
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ import torch
 from streamrl.coord.coordinator import Coordinator
 from streamrl.weights.adapter import adapt_specs, adapt_tensor
 from streamrl.weights.collective import CollectiveSender
+from streamrl.weights.ipc import DeviceStore, copy_into
 from streamrl.weights.layout import Checksum, Layout, write_tensor
 from streamrl.weights.store import ShmStore
 from streamrl.weights.zmq_plane import BucketServer
 
 COLLECTIVE_PLANES = ("nccl", "gloo")
-PLANES = ("auto", "shm", "zmq", *COLLECTIVE_PLANES)
+PLANES = ("auto", "shm", "zmq", "ipc", *COLLECTIVE_PLANES)
 
 
 def host_id() -> str:
@@ -71,6 +74,8 @@ class WeightPublisher:
         self._buckets: dict[int, list[dict]] = {}
         if plane in COLLECTIVE_PLANES:
             self.collective = CollectiveSender(coord, plane, collective_world, bind_host, advertise_host, device)
+        elif plane == "ipc":  # the store is two device buffers, no server: subscribers map them
+            self.store = DeviceStore(run, device)
         else:
             self.store = ShmStore(run, keep=keep, max_retained=max_retained)
             self.server = BucketServer(self._lookup, f"tcp://{bind_host}:*", advertise_host)
@@ -137,8 +142,11 @@ class WeightPublisher:
         if self.store is not None:
             vf = self.store.create(version, layout.total_bytes)
             self._ready[version], self._buckets[version] = 0, layout.buckets
-            manifest["path"] = str(vf.path)
-            manifest["endpoint"] = self.server.endpoint
+            manifest["path"] = str(vf.path)  # ipc: the version's lease file
+            if self.server is not None:
+                manifest["endpoint"] = self.server.endpoint
+            else:
+                manifest["ipc"] = vf.record  # the device buffer's CUDA IPC handle, plain fields
         else:
             manifest["collective"] = self.collective.describe()
         self.coord.begin_version(version, manifest)
@@ -154,6 +162,11 @@ class WeightPublisher:
         over the bytes at all; where the store cannot be page-locked, or the checksum needs
         the host (crc32, a size not a multiple of 8 bytes), through a pinned bounce buffer.
         """
+        if dst.is_cuda:  # an ipc device buffer: device to device, checksummed there
+            stream = copy_into(dst, src, ck)
+            if stream not in self._dma_streams:
+                self._dma_streams.append(stream)
+            return
         if src.device.type == "cpu":
             write_tensor(dst, src, ck)
             return

@@ -7,9 +7,11 @@ ever comes from half-loaded or corrupted weights. It can start on a version that
 being written (``newer_version(include_pending=True)``): buckets are transferred and
 verified as Redis announces them, overlapping the learner's gather.
 
-The plane comes from the manifest: a collective plane (nccl/gloo) when the publisher uses
-one; otherwise shared memory when the manifest's host is this host (``plane="auto"``) or
-forced, else ZeroMQ from the publisher's bucket server.
+The plane comes from the manifest: a collective plane (nccl/gloo) or the learner's device
+buffers (``ipc``, :mod:`streamrl.weights.ipc`: verified and handed over on the GPU, under the
+same kind of read lease) when the publisher uses one; otherwise shared memory when the
+manifest's host is this host (``plane="auto"``) or forced, else ZeroMQ from the publisher's
+bucket server.
 
 Same-host store files stay mapped across fetches (:class:`~streamrl.weights.store.ReaderCache`);
 for a CUDA engine they, and verified ZeroMQ buckets, are page-locked, so the engine's load
@@ -43,6 +45,7 @@ import torch
 from streamrl.coord.coordinator import Coordinator
 from streamrl.weights import lease, pinning
 from streamrl.weights.collective import CollectiveReceiver
+from streamrl.weights.ipc import DeviceReader
 from streamrl.weights.layout import ChecksumError, Layout, checksum_region
 from streamrl.weights.publisher import COLLECTIVE_PLANES, host_id
 from streamrl.weights.store import ReaderCache
@@ -86,7 +89,8 @@ class _Fetch:
     manifest: dict
     layout: Layout
     store: torch.Tensor | None
-    """uint8 [total bytes] over the same-host store file; None: buckets come over ZeroMQ."""
+    """uint8 [total bytes] over the same-host store file, or (ipc) over the learner's device buffer
+    on a GPU; None: buckets come over ZeroMQ."""
     known: dict[int, str]
     bufs: dict[int, torch.Tensor] = field(default_factory=dict)
     tries: dict[int, int] = field(default_factory=dict)
@@ -124,6 +128,7 @@ class WeightSubscriber:
         # a GPU engine so its load is a DMA straight from the store.
         pin = str(device).startswith("cuda") if pin_store is None else pin_store
         self._readers = ReaderCache(pin_cuda=pin)
+        self._devices = DeviceReader()  # ipc: the publisher's device buffers, opened once each
         self._pinned_frames: list[torch.Tensor] = []  # received zmq buckets page-locked for H2D
         self._pin_frames = pin
 
@@ -185,12 +190,17 @@ class WeightSubscriber:
         return (pair for i in range(n) for pair in f.layout.views(i, f.bufs[i]))
 
     def _begin_fetch(self, version: int, manifest: dict) -> _Fetch | None:
-        """Open the version's same-host store file, or connect to its publisher's bucket server.
-        None when the store file is already gone."""
+        """Open the version's same-host store file or device buffer, or connect to its publisher's
+        bucket server. None when the version's file or buffer is already gone."""
         layout = Layout.from_manifest(manifest)
         layout.check()
         store = None
-        if self.plane == "shm" or (self.plane == "auto" and manifest.get("host") == self.host):
+        if manifest.get("plane") == "ipc":
+            try:
+                store = self._devices.open(manifest, self.host)
+            except FileNotFoundError:  # retired (its slot reused) before we leased it
+                return None
+        elif self.plane == "shm" or (self.plane == "auto" and manifest.get("host") == self.host):
             try:
                 store = self._open_store(manifest["path"], layout.total_bytes)
             except FileNotFoundError:  # collected (or recycled) before we got to it
@@ -315,6 +325,7 @@ class WeightSubscriber:
     def close(self) -> None:
         self._unpin_frames()
         self._readers.close()
+        self._devices.close()
         if self._client is not None:
             self._client.close()
         if self._receiver is not None:

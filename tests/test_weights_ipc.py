@@ -1,0 +1,387 @@
+"""The ipc weights plane: plane selection, config errors, the fallback, record validation and the
+slot/lease protocol on CPU; on a GPU, versions through CUDA IPC to a subscriber in another process.
+
+The GPU tests share one subscriber subprocess (this file is its entry point: ``python
+test_weights_ipc.py``, commands as JSON lines on stdin, one JSON reply line each), real Redis,
+real lease files. They run in seconds: ``pytest -q -m gpu tests/test_weights_ipc.py``.
+"""
+from __future__ import annotations
+
+import doctest
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamrl.config import ConfigError, load_config
+from streamrl.coord.coordinator import Coordinator
+from streamrl.weights import lease, planes
+from streamrl.weights.adapter import adapt_specs, adapt_tensor
+from streamrl.weights.ipc import IpcRecordError, VersionSlots, parse_record
+from streamrl.weights.layout import Layout
+from streamrl.weights.publisher import WeightPublisher, host_id
+from streamrl.weights.subscriber import WeightSubscriber
+
+SPECS = [
+    ("model.embed_tokens.weight", torch.float32, (50, 32)),
+    ("model.layers.0.mlp.experts.gate_up_proj", torch.float32, (4, 16, 32)),
+    ("model.layers.0.mlp.experts.down_proj", torch.float32, (4, 32, 8)),
+    ("model.norm.weight", torch.bfloat16, (33,)),  # 66 bytes: not a multiple of 8
+    ("lm_head.weight", torch.float32, (50, 32)),
+]
+TARGET = "vllm"  # per-expert slices: non-contiguous pieces on the way in
+TOTAL = Layout.plan(adapt_specs(SPECS, TARGET), 8192).total_bytes  # bytes of one version
+CUDA = ["learner.device=cuda", "rollout.device=cuda"]
+
+
+def make_tensors(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(dtype) for _, dtype, shape in SPECS]
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def expected(seed: int) -> dict[str, str]:
+    """Digests of what an engine holds after loading the version published from ``seed``."""
+    tensors = make_tensors(seed)
+    return {n: digest(v) for (name, _, _), t in zip(SPECS, tensors) for n, v in adapt_tensor(name, t, TARGET)}
+
+
+# -- plane selection (CPU) -------------------------------------------------------------------------
+def test_planes_examples():
+    assert doctest.testmod(planes).failed == 0
+
+
+@pytest.mark.parametrize("overrides, local, plane, why", [
+    ([], True, "auto", "learner.device = 'cpu'"),
+    (["learner.device=cuda"], True, "auto", "rollout.device = 'cpu'"),
+    (CUDA, True, "ipc", None),
+    (CUDA, False, "auto", "non-loopback"),
+    (["placement.learner=[cuda:0]", "placement.rollout=[cuda:0]", "placement.colocate=[[learner, rollout]]"],
+     True, "ipc", None),
+    (["placement.learner=[cuda:0]", "placement.rollout=[cuda:0, cpu]"], True, "auto", "placement.rollout"),
+    (["placement.learner=[node0:cuda:0]", "placement.rollout=[node1:cuda:0]"], True, "auto", "one host"),
+    ([*CUDA, "eval.interval=5"], True, "auto", "eval.device = 'cpu'"),
+    ([*CUDA, "eval.interval=5", "eval.device=cuda"], True, "ipc", None),
+    ([*CUDA, "weights.checksum=crc32"], True, "auto", "weights.checksum"),
+    ([*CUDA, "weights.data_plane=shm"], True, "shm", None),
+    (["weights.data_plane=zmq"], False, "zmq", None),
+    ([*CUDA, "weights.data_plane=ipc"], True, "ipc", None),
+])
+def test_auto_picks_ipc_only_when_both_ends_are_cuda_on_one_host(overrides, local, plane, why):
+    got, reason = planes.select_plane(load_config(None, overrides), local_only=local)
+    assert got == plane
+    assert (reason is None) == (why is None) and (why is None or why in reason), reason
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ([], "config field 'learner.device' = 'cpu': CUDA IPC needs the learner on a CUDA device"),
+    (["learner.device=cuda", "rollout.device=cpu"], "config field 'rollout.device' = 'cpu'"),
+    ([*CUDA, "weights.checksum=crc32"], "config field 'weights.checksum' = 'crc32'"),
+])
+def test_explicit_ipc_off_cuda_is_a_one_line_config_error(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*overrides, "weights.data_plane=ipc"])
+    assert needle in str(e.value) and "weights.data_plane = ipc" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_explicit_ipc_off_cuda_fails_the_dry_run(capsys, repo):
+    from streamrl.launcher import launch
+
+    assert launch.main(["--config", str(repo / "configs/tiny.yaml"), "weights.data_plane=ipc", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("streamrl-launch: config field 'learner.device' = 'cpu'") and "\n" not in err, err
+
+
+@pytest.mark.timeout(60)
+def test_auto_falls_back_to_shm_and_logs_why_once(redis_url, run_id, caplog):
+    from streamrl.weights.factory import make_publisher, make_subscriber
+
+    cfg = load_config(None, ["weights.bucket_mb=1"])
+    coord = Coordinator(redis_url, run_id)
+    with caplog.at_level(logging.INFO, logger="streamrl.weights.factory"):
+        pub = make_publisher(coord, run_id, cfg)
+    try:
+        why = [r.getMessage() for r in caplog.records if "not ipc" in r.getMessage()]
+        assert len(why) == 1 and "learner.device = 'cpu'" in why[0], why
+        assert pub.plane == "auto" and pub.server is not None
+        pub.publish(0, SPECS, iter(make_tensors(1)))
+        sub = make_subscriber(coord, cfg, worker_id=0)
+        got = {n: digest(t) for n, t in sub.fetch(0)}
+        assert got == {n: digest(v) for (name, _, _), t in zip(SPECS, make_tensors(1))
+                       for n, v in adapt_tensor(name, t, "hf")}
+        sub.close()
+    finally:
+        pub.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_ipc_publisher_without_cuda_is_refused(run_id):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        WeightPublisher(None, run_id, plane="ipc")
+
+
+# -- the record from Redis (CPU) -------------------------------------------------------------------
+GOOD = {"uuid": "1f2e3d4c-0000-1111-2222-333344445555", "handle": "00" * 66, "size": 4096, "offset": 512,
+        "ref_counter": b"/torch_123_456_0".hex(), "ref_counter_offset": 7, "event": "ab" * 64, "event_sync": True}
+
+
+def test_a_good_record_decodes():
+    rec = parse_record(dict(GOOD), total=4096)
+    assert rec["handle"] == bytes(66) and rec["ref_counter"] == b"/torch_123_456_0" and rec["offset"] == 512
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"size": 100}, "cannot hold a version"),
+    ({"size": "4096"}, "'size'"),
+    ({"offset": -1}, "'offset'"),
+    ({"ref_counter_offset": 10000}, "'ref_counter_offset'"),
+    ({"ref_counter_offset": True}, "'ref_counter_offset'"),
+    ({"handle": "zz"}, "'handle'"),
+    ({"handle": ""}, "'handle'"),
+    ({"handle": None}, "'handle'"),
+    ({"event": "ab" * 63}, "'event'"),
+    ({"ref_counter": b"../etc/passwd".hex()}, "'ref_counter'"),
+    ({"event_sync": 1}, "'event_sync'"),
+    ({"uuid": "GPU 0; rm -rf"}, "'uuid'"),
+    ({"uuid": None}, "'uuid'"),
+])
+def test_a_malformed_record_is_rejected_naming_the_field(change, field):
+    with pytest.raises(IpcRecordError, match=field):
+        parse_record({**GOOD, **change}, total=4096)
+    with pytest.raises(IpcRecordError, match="not a mapping"):
+        parse_record(["not", "a", "dict"], total=4096)
+
+
+def _ipc_manifest(version: int, record, host: str, path: str) -> dict:
+    layout = Layout.plan(adapt_specs(SPECS, "hf"), 8192)
+    for b in layout.buckets:
+        b["checksum"] = "0"
+    return {"version": version, "state": "complete", "plane": "ipc", "target": "hf", "checksum": "sum64",
+            "total_bytes": layout.total_bytes, "host": host, "tensors": layout.tensors, "buckets": layout.buckets,
+            "path": path, "ipc": record}
+
+
+@pytest.mark.timeout(60)
+def test_subscriber_rejects_a_malformed_record_from_redis(redis_url, run_id, tmp_path):
+    """A bad record from Redis is a clear IpcRecordError before torch or the lease sees it; a good
+    record this process cannot map (another host, no CUDA) says how to fix the config."""
+    coord = Coordinator(redis_url, run_id)
+    path = str(tmp_path / "v.lease")
+    bad = {**GOOD, "size": 1 << 20, "ref_counter_offset": 1 << 40}  # would write far outside torch's counter file
+    coord.publish_version(0, _ipc_manifest(0, bad, host_id(), path))
+    coord.publish_version(1, _ipc_manifest(1, "garbage", host_id(), path))
+    coord.publish_version(2, _ipc_manifest(2, {**GOOD, "size": 1 << 20}, "elsewhere/boot", path))
+    sub = WeightSubscriber(coord, plane="shm")  # a forced host plane still follows the manifest's ipc
+    try:
+        with pytest.raises(IpcRecordError, match="'ref_counter_offset'"):
+            sub.fetch(0)
+        with pytest.raises(IpcRecordError, match="not a mapping"):
+            sub.fetch(1)
+        with pytest.raises(IpcRecordError, match="set weights.data_plane to auto or shm"):
+            sub.fetch(2)
+        assert not Path(path).exists() and sub.loaded_version == -1
+    finally:
+        sub.close()
+
+
+# -- slots and leases (CPU) ------------------------------------------------------------------------
+def test_slots_alternate_and_reuse_the_oldest_unleased_version(tmp_path):
+    slots = VersionSlots("r", directory=tmp_path)
+    assert [slots.claim(v) for v in (0, 1, 2)] == [0, 1, 0]
+    assert slots.take_retired() == [0] and not slots.path(0).exists() and slots.path(2).exists()
+    with pytest.raises(lease.LeaseGone):  # a reader that comes late finds v0 gone, never v2's bytes
+        lease.acquire_read(slots.path(0))
+    slots.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_leased_version_keeps_its_slot_until_the_lease_ends(tmp_path):
+    """The reader leases v0; v1, v2, v3 all go to the other slot; v0's slot is reused only after."""
+    slots = VersionSlots("r", directory=tmp_path)
+    slots.claim(0)
+    fd, _ = lease.acquire_read(slots.path(0))
+    assert [slots.claim(v) for v in (1, 2, 3)] == [1, 1, 1]
+    assert slots.held == [0, 3] and slots.retained == {0} and slots.take_retired() == [1, 2]
+    os.close(fd)
+    assert slots.claim(4) == 0 and slots.take_retired() == [0] and not slots.retained
+
+
+def test_claim_waits_while_both_slots_are_leased(tmp_path, caplog):
+    slots = VersionSlots("r", directory=tmp_path, wait_s=0.2)
+    slots.claim(0)
+    slots.claim(1)
+    fds = [lease.acquire_read(slots.path(v))[0] for v in (0, 1)]
+    with pytest.raises(TimeoutError, match=r"v\[0, 1\] stayed leased"):
+        slots.claim(2)
+    slots.wait_s = 10.0
+    threading.Timer(0.3, os.close, (fds[1],)).start()  # the reader of v1 finishes its copy
+    t0 = time.monotonic()
+    assert slots.claim(2) == 1 and 0.2 < time.monotonic() - t0 < 5
+    assert sum("waits for a slot" in r.getMessage() for r in caplog.records) == 2  # once per claim
+    os.close(fds[0])
+    slots.close()
+
+
+def test_a_stale_lease_file_of_an_earlier_incarnation_is_replaced(tmp_path):
+    old = VersionSlots("r", directory=tmp_path)
+    old.claim(5)
+    fd, key = lease.acquire_read(old.path(5))  # a reader of the crashed incarnation keeps its lease
+    new = VersionSlots("r", directory=tmp_path)
+    new.claim(5)
+    assert os.stat(new.path(5)).st_ino != key[1]
+    os.close(fd)
+    new.close()
+
+
+# -- GPU: a subscriber in another process ------------------------------------------------------------
+def _child() -> int:
+    """Subscriber process: one JSON command per stdin line, one JSON reply per stdout line."""
+    sub, held = None, None
+
+    class Engine:
+        def load_weights(self, named):
+            self.params = {n: t.clone() for n, t in named}  # device to device
+
+    engine = Engine()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op, reply = cmd["op"], {"ok": True}
+        if op == "run":
+            if sub is not None:
+                sub.close()
+            sub = WeightSubscriber(Coordinator(cmd["redis"], cmd["run"]))
+        elif op == "load":
+            reply["v"] = sub.load(engine, 1, cmd["v"])
+            reply["digests"] = {n: digest(t) for n, t in engine.params.items()}
+            reply["devices"] = sorted({str(t.device) for t in engine.params.values()})
+        elif op == "hold":
+            held = list(sub.fetch(cmd["v"]))
+            bases = list(sub._devices._bases.values())
+            reply["zero_copy"] = all(any(b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel() for b in bases)
+                                     for _, t in held)
+        elif op == "check":
+            reply["digests"] = {n: digest(t) for n, t in held}
+        elif op == "release":
+            held = None  # the last views die: the lease ends (after the GPU sync)
+        elif op == "exit":
+            return 0
+        print(json.dumps(reply), flush=True)
+    return 0
+
+
+class Child:
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+
+    def ask(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"subscriber process exited (rc {self.proc.poll()}) on {op}"
+        return json.loads(line)
+
+
+@pytest.fixture(scope="module")
+def child():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    c = Child()
+    yield c
+    c.proc.stdin.close()
+    c.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def ipc(child, redis_url, run_id):
+    """``(publisher, coordinator, child)`` on a fresh run; the child subscribes to it."""
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="ipc", bucket_bytes=8192, target=TARGET)
+    child.ask("run", redis=redis_url, run=run_id)
+    yield pub, coord, child
+    pub.close()
+
+
+def publish(pub: WeightPublisher, v: int) -> None:
+    pub.publish(v, SPECS, iter([t.cuda() for t in make_tensors(100 + v)]))
+
+
+def slot_digest(pub: WeightPublisher, v: int) -> str:
+    return digest(pub.store.files[v].region(0, TOTAL))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_round_trip_bit_exact_in_another_process(ipc):
+    """Three versions through two device buffers: each loads bit-exact on the GPU in the other
+    process, v2 reuses v0's buffer (same handle), and the publisher's extra GPU memory is at
+    most 2 versions' bytes."""
+    pub, coord, child = ipc
+    sources = {v: [t.cuda() for t in make_tensors(100 + v)] for v in range(3)}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for v in range(3):
+        pub.publish(v, SPECS, iter(sources[v]))
+        got = child.ask("load", v=v)
+        assert got["v"] == v and got["digests"] == expected(100 + v) and got["devices"][0].startswith("cuda")
+        assert coord.acks()[1] == v and coord.manifest(v)["plane"] == "ipc"
+    records = [coord.manifest(v)["ipc"]["handle"] for v in range(3)]
+    assert records[0] == records[2] != records[1]
+    assert torch.cuda.memory_allocated() - before <= 2 * TOTAL + 2048
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_a_version_is_never_torn_while_the_worker_holds_it(ipc):
+    """The worker holds v0's views (its lease) while v1, v2 and v3 are published: they all go
+    to the other buffer, and v0's bytes stay exactly what the worker verified."""
+    pub, coord, child = ipc
+    publish(pub, 0)
+    before = slot_digest(pub, 0)
+    assert child.ask("hold", v=0)["zero_copy"]  # views of the publisher's buffer, not copies
+    for v in (1, 2, 3):
+        publish(pub, v)
+    assert sorted(pub.store.files) == [0, 3] and pub.store.retained == {0}
+    assert slot_digest(pub, 0) == before
+    assert child.ask("check")["digests"] == expected(100)
+    child.ask("release")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_the_learner_reuses_a_buffer_only_after_its_lease_ends(ipc):
+    """While the worker leases v0 and another reader v1, publishing v2 waits; once v1's lease
+    ends v2 takes v1's buffer, and once v0's ends the next version takes v0's."""
+    pub, coord, child = ipc
+    publish(pub, 0)
+    v0_buf = pub.store.files[0].buf
+    child.ask("hold", v=0)
+    publish(pub, 1)
+    fd, _ = lease.acquire_read(coord.manifest(1)["path"])
+    th = threading.Thread(target=publish, args=(pub, 2))
+    th.start()
+    time.sleep(0.3)
+    assert th.is_alive() and coord.manifest(2) is None  # both buffers leased: the learner waits
+    os.close(fd)
+    th.join(10)
+    assert not th.is_alive() and sorted(pub.store.files) == [0, 2]
+    assert child.ask("check")["digests"] == expected(100)
+    child.ask("release")
+    publish(pub, 3)
+    assert sorted(pub.store.files) == [2, 3] and pub.store.files[3].buf is v0_buf
+    assert child.ask("load", v=3)["digests"] == expected(103)
+
+
+if __name__ == "__main__":
+    sys.exit(_child())
