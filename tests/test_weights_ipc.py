@@ -313,8 +313,14 @@ def ipc(child, redis_url, run_id):
     pub.close()
 
 
+def on_gpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A learner's tensors: on the GPU but for the small bf16 one, which stays on the CPU like the
+    scaling tensor of a LoRA version (it must travel into the device buffer too)."""
+    return [t if t.dtype == torch.bfloat16 else t.cuda() for t in tensors]
+
+
 def publish(pub: WeightPublisher, v: int) -> None:
-    pub.publish(v, SPECS, iter([t.cuda() for t in make_tensors(100 + v)]))
+    pub.publish(v, SPECS, iter(on_gpu(make_tensors(100 + v))))
 
 
 def slot_digest(pub: WeightPublisher, v: int) -> str:
@@ -328,7 +334,7 @@ def test_round_trip_bit_exact_in_another_process(ipc):
     process, v2 reuses v0's buffer (same handle), and the publisher's extra GPU memory is at
     most 2 versions' bytes."""
     pub, coord, child = ipc
-    sources = {v: [t.cuda() for t in make_tensors(100 + v)] for v in range(3)}
+    sources = {v: on_gpu(make_tensors(100 + v)) for v in range(3)}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     for v in range(3):

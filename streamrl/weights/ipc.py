@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 LEASE_WAIT_S = 300.0  # the publisher's wait for a free slot while both are leased
 REF_COUNTER_SLOTS = 10000  # int64 counters in one torch ref-counter file (CUDA_IPC_REF_COUNTER_FILE_SIZE)
-MAX_HANDLE_BYTES = 1 << 16  # a cudaMalloc handle is 66 bytes; an expandable segment's lists its pages
+MAX_HANDLE_BYTES = 1 << 20  # a cudaMalloc handle is 66 bytes; an expandable segment's lists its pages
 _SHM_NAME = re.compile(rb"/[A-Za-z0-9_.\-]{1,250}")
 _UUID = re.compile(r"[0-9A-Za-z\-]{1,64}")
 
