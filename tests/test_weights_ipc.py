@@ -246,7 +246,8 @@ def test_a_stale_lease_file_of_an_earlier_incarnation_is_replaced(tmp_path):
 
 # -- GPU: a subscriber in another process ------------------------------------------------------------
 def _child() -> int:
-    """Subscriber process: one JSON command per stdin line, one JSON reply per stdout line."""
+    """Subscriber process: one JSON command per stdin line, one JSON reply per stdout line; it
+    exits when stdin closes."""
     sub, held = None, None
 
     class Engine:
@@ -274,8 +275,6 @@ def _child() -> int:
             reply["digests"] = {n: digest(t) for n, t in held}
         elif op == "release":
             held = None  # the last views die: the lease ends (after the GPU sync)
-        elif op == "exit":
-            return 0
         print(json.dumps(reply), flush=True)
     return 0
 
