@@ -120,6 +120,77 @@ def test_publish_fetch_bit_exact_vllm_names(redis_url, run_id, plane):
         pub.close()
 
 
+
+def _many_small(seed: int) -> tuple[list, list[torch.Tensor]]:
+    """Specs and tensors of a LoRA-like version: many small tensors of mixed dtypes and sizes
+    (some not a multiple of 8 bytes), one non-contiguous, one above the packing size."""
+    g = torch.Generator().manual_seed(seed)
+    specs, tensors = [], []
+    for i in range(40):
+        dtype = torch.bfloat16 if i % 3 == 0 else torch.float32
+        shape = (8, 3 + i) if i % 2 else (5 + i,)
+        specs.append((f"m.{i}.lora_A.weight", dtype, shape))
+        tensors.append(torch.randn(shape, generator=g).to(dtype))
+    tensors[7] = torch.randn((10, 8), generator=g).t()  # non-contiguous [8, 10]
+    specs.insert(20, ("m.big.weight", torch.float32, (300, 1024)))  # 1.2 MB: the chunked path
+    tensors.insert(20, torch.randn((300, 1024), generator=g))
+    return specs, tensors
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("algo", ["sum64", "crc32"])
+def test_packed_small_tensors_checksummed_like_the_subscriber(redis_url, run_id, algo):
+    """Small tensors are memmoved and checksummed per run: every bucket's checksum is the one the
+    subscriber computes over the store, across a recycled file (old bytes in the padding), and
+    each version of the same specs (one layout plan) gets its own checksums."""
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=1 << 20, keep=1, checksum=algo)
+    specs, _ = _many_small(0)
+    try:
+        sums = []
+        for v in range(3):
+            _, tensors = _many_small(v)
+            pub.publish(v, specs, iter(tensors))
+            m = coord.manifest(v)
+            assert len(m["buckets"]) == 3
+            store = pub.store.files[v].buf
+            for b in m["buckets"]:
+                assert checksum_region(store[b["offset"]: b["offset"] + b["nbytes"]], algo) == b["checksum"]
+            sums.append([b["checksum"] for b in m["buckets"]])
+            sub = WeightSubscriber(coord, plane="shm")
+            got = dict(sub.fetch(v))
+            assert [n for n, _, _ in specs] == list(got)
+            for (name, _, _), t in zip(specs, tensors):
+                assert torch.equal(got[name], t), name
+            del got
+            sub.close()
+        assert sums[0] != sums[1] != sums[2]
+    finally:
+        pub.close()
+
+
+@pytest.mark.timeout(60)
+def test_one_bucket_version_is_announced_once_complete(redis_url, run_id):
+    """A store version of one bucket skips the 'writing' manifest and the bucket event (nothing
+    of it is readable before it is complete); a streaming subscriber still gets it."""
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=64 << 20)
+    ps = coord.subscribe_versions()
+    try:
+        ps.get_message(timeout=1.0)  # the subscribe confirmation
+        assert pub.publish(0, SPECS, iter(make_tensors(3)))["weights/buckets"] == 1
+        assert coord.r.exists(coord.keys.weights_buckets(0)) == 0
+        assert coord.r.get(coord.keys.weights_pending) is None
+        msgs = [ps.get_message(timeout=0.5) for _ in range(2)]
+        assert [m["data"] for m in msgs if m] == ["0"]  # no "begin:0"
+        sub = WeightSubscriber(coord, plane="zmq")
+        assert coord.wait_version(-1, timeout_s=5, include_pending=True, poll_s=0.01) == 0
+        check_equal(sub.fetch(0), make_tensors(3))
+        sub.close()
+    finally:
+        ps.close()
+        pub.close()
+
 @pytest.mark.timeout(60)
 def test_late_joiner_gets_newest_and_old_versions_are_collected(redis_url, run_id):
     coord = Coordinator(redis_url, run_id)

@@ -156,17 +156,23 @@ class Coordinator:
 
     # -- weights versions ------------------------------------------------------------------
     def publish_version(self, version: int, manifest: dict[str, Any], keep: int = 3) -> None:
-        """Store the manifest, advance the version, notify subscribers, expire old manifests."""
+        """Store the manifest, advance the version, notify subscribers, expire old versions.
+
+        One round trip in the steady state (versions one apart: only ``version - keep`` expires,
+        in the same pipeline); :meth:`gc_versions` runs only when the pipeline finds more."""
         pipe = self.r.pipeline()
         pipe.set(self.keys.manifest(version), json.dumps(manifest))
         pipe.set(self.keys.version, version)
         pipe.zadd(self.keys.weights_versions, {str(version): version})
         pipe.publish(self.keys.weights_channel, str(version))
         if version - keep >= 0:
-            pipe.delete(self.keys.manifest(version - keep))
-        pipe.execute()
+            pipe.delete(self.keys.manifest(version - keep), self.keys.weights_buckets(version - keep))
+            pipe.zrem(self.keys.weights_versions, str(version - keep))
+        pipe.zrange(self.keys.weights_versions, 0, -(keep + 1))
+        stale = pipe.execute()[-1]
         self.last_published = (version, manifest)
-        self.gc_versions(keep)
+        if stale:  # versions not one apart, or left by an earlier incarnation of the run
+            self.gc_versions(keep)
 
     def reassert_version(self) -> bool:
         """Write the newest published version and its manifest again (after Redis lost its state:

@@ -66,8 +66,8 @@ def adapt_specs(specs: list[Spec], target: str) -> list[Spec]:
 def adapt_tensor(name: str, tensor: torch.Tensor, target: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(engine name, view) pairs for one full learner tensor, in :func:`adapt_spec` order."""
     _check_target(target)
-    m = _FUSED.match(name)
-    if target == "hf" or m is None:
+    m = None if target == "hf" else _FUSED.match(name)  # hf: no regex per tensor (adapter versions have hundreds)
+    if m is None:
         yield name, tensor
         return
     p, w = m["p"], m["w"]

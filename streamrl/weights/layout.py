@@ -105,7 +105,7 @@ class Layout:
         for i, (name, dtype, shape) in enumerate(specs):
             if dtype not in DTYPE_NAMES:
                 raise ValueError(f"tensor {name!r} has unsupported dtype {dtype}")
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             if i > b_first and off - b_start + nbytes > bucket_bytes:
                 buckets.append({"offset": b_start, "nbytes": off - b_start, "first": b_first, "count": i - b_first})
                 b_start, b_first = off, i

@@ -12,6 +12,13 @@ never a second model copy. GPU tensors are copied straight into the page-locked 
 (:mod:`streamrl.weights.pinning`), asynchronously with one wait per bucket, and checksummed
 on the GPU: no host pass over the bytes.
 
+Small contiguous CPU tensors (under ``SMALL`` bytes; a LoRA version is hundreds of them, 3.7 MB
+in all) are packed into a host store: each is one ``memmove``, and a run of them is checksummed
+once, so such a version costs about its bytes, not a torch op per tensor. A version of one
+bucket is announced once, complete, in one Redis pipeline: a streaming subscriber could not
+read any of it before its only bucket is in anyway. Successive versions of the same specs
+reuse one layout plan.
+
 Data planes (``plane``):
 
 * ``shm``: the store file under /dev/shm; same-host subscribers map it (under a read lease,
@@ -25,6 +32,7 @@ Data planes (``plane``):
 """
 from __future__ import annotations
 
+import ctypes
 import socket
 import time
 from typing import Any, Iterable
@@ -35,12 +43,15 @@ from streamrl.coord.coordinator import Coordinator
 from streamrl.weights.adapter import adapt_specs, adapt_tensor
 from streamrl.weights.collective import CollectiveSender
 from streamrl.weights.ipc import DeviceStore, copy_into
-from streamrl.weights.layout import Checksum, Layout, write_tensor
+from streamrl.weights.layout import CHUNK, Checksum, Layout, write_tensor
 from streamrl.weights.store import ShmStore
 from streamrl.weights.zmq_plane import BucketServer
 
 COLLECTIVE_PLANES = ("nccl", "gloo")
 PLANES = ("auto", "shm", "zmq", "ipc", *COLLECTIVE_PLANES)
+# CPU tensors below this are packed (see above); a packed run is checksummed at this size, so
+# the checksum reads bytes that are still in the cache, like write_tensor's chunks.
+SMALL = CHUNK
 
 
 def host_id() -> str:
@@ -67,11 +78,13 @@ class WeightPublisher:
         self.coord, self.run, self.plane = coord, run, plane
         self.bucket_bytes, self.keep, self.checksum, self.target = bucket_bytes, keep, checksum, target
         self.pin_store = pin_store  # page-lock store files for GPU tensors (DMA, GPU checksum)
+        self.host = host_id()  # read once: a /proc read per version is a tenth of a LoRA version's publish
         self.store = self.server = self.collective = None
         self._bounce: torch.Tensor | None = None
         self._dma_streams: list[torch.cuda.Stream] = []  # streams with copies into the store in flight
         self._ready: dict[int, int] = {}  # version -> buckets ready (read by the server thread)
         self._buckets: dict[int, list[dict]] = {}
+        self._plan: tuple[list, Layout] | None = None  # (specs, their layout) of the last version
         if plane in COLLECTIVE_PLANES:
             self.collective = CollectiveSender(coord, plane, collective_world, bind_host, advertise_host, device)
         elif plane == "ipc":  # the store is two device buffers, no server: subscribers map them
@@ -99,7 +112,7 @@ class WeightPublisher:
         already queued on its stream (the tail of the learner's step), not the copy itself.
         """
         t0 = time.perf_counter()
-        layout = Layout.plan(adapt_specs(specs, self.target), self.bucket_bytes)
+        layout = self._layout(specs)
         manifest, vf = self._begin(version, layout)
         writer = _BucketWriter(self, version, layout, vf)
         gather_s = write_s = gpu_wait_s = 0.0
@@ -112,7 +125,7 @@ class WeightPublisher:
             t = item[1] if isinstance(item, tuple) else item
             tw = time.perf_counter()
             gather_s += tw - tg
-            peak = max(peak, t.numel() * t.element_size())
+            peak = max(peak, t.nbytes)
             if t.is_cuda and not waited:
                 torch.cuda.current_stream(t.device).synchronize()
                 gpu_wait_s, waited = time.perf_counter() - tw, True
@@ -130,12 +143,21 @@ class WeightPublisher:
                 "weights/buckets": float(len(layout.buckets)), "weights/peak_tensor_bytes": float(peak),
                 "weights/gpu_wait_s": gpu_wait_s}
 
+    def _layout(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Layout:
+        """The layout of a version of ``specs``. A run publishes the same specs every version, so
+        the last plan is reused (a LoRA version has hundreds of tensors), with fresh bucket
+        entries: each version's buckets get their own checksums."""
+        if self._plan is None or self._plan[0] != specs:
+            self._plan = (list(specs), Layout.plan(adapt_specs(specs, self.target), self.bucket_bytes))
+        plan = self._plan[1]
+        return Layout(plan.tensors, [dict(b) for b in plan.buckets], plan.total_bytes)
+
     def _begin(self, version: int, layout: Layout) -> tuple[dict[str, Any], Any]:
         """Announce ``version`` as being written: its manifest, and its store file (None on a
         collective plane, whose receivers are told how many buckets follow)."""
         manifest: dict[str, Any] = {
             "version": version, "state": "writing", "plane": self.plane, "target": self.target,
-            "checksum": self.checksum, "total_bytes": layout.total_bytes, "host": host_id(),
+            "checksum": self.checksum, "total_bytes": layout.total_bytes, "host": self.host,
             "tensors": layout.tensors, "buckets": layout.buckets, "published_at": time.time(),
         }
         vf = None
@@ -149,10 +171,18 @@ class WeightPublisher:
                 manifest["ipc"] = vf.record  # the device buffer's CUDA IPC handle, plain fields
         else:
             manifest["collective"] = self.collective.describe()
-        self.coord.begin_version(version, manifest)
+        if self._streamed(layout):
+            self.coord.begin_version(version, manifest)
         if self.collective is not None:
             self.collective.begin(version, len(layout.buckets))
         return manifest, vf
+
+    def _streamed(self, layout: Layout) -> bool:
+        """Whether ``version`` is announced while being written, bucket by bucket. A store
+        version of one bucket is not: nothing of it is readable before it is complete, so the
+        two announcements (manifest, bucket event) would only add Redis round trips. Collective
+        receivers always follow the bucket events."""
+        return self.store is None or len(layout.buckets) > 1
 
     def _write(self, vf, dst: torch.Tensor, src: torch.Tensor, ck: Checksum) -> None:
         """Copy one engine tensor into the store region ``dst`` (uint8 [padded nbytes]).
@@ -229,27 +259,53 @@ class WeightPublisher:
 class _BucketWriter:
     """Puts one version's engine tensors, in layout order, into their buckets; a bucket whose
     last tensor is in is checksummed, sent (collective plane) or made servable (store), and
-    announced in Redis."""
+    announced in Redis (streamed versions)."""
 
     def __init__(self, pub: WeightPublisher, version: int, layout: Layout, vf):
         self.pub, self.version, self.layout, self.vf = pub, version, layout, vf
+        self.announce = pub._streamed(layout)
         self.entry_i = self.bucket_i = 0
         self.ck = Checksum(pub.checksum)
         self.pieces: list[tuple[dict, torch.Tensor]] = []  # collective plane: the open bucket's tensors
+        # address of a host store's mapping (0: none to pack into, e.g. the ipc plane's device buffer)
+        self.base = vf.buf.data_ptr() if vf is not None and vf.buf.is_cpu else 0
+        self.run: list[int] = []  # [start, end) of the packed run not checksummed yet; [] when none
 
     def put(self, ename: str, piece: torch.Tensor) -> None:
         e = self.layout.tensors[self.entry_i]
         if e["name"] != ename or list(piece.shape) != e["shape"]:
             raise ValueError(f"tensor {ename} {tuple(piece.shape)} does not match its spec "
                              f"{e['name']} {e['shape']}")
-        if self.vf is not None:
-            self.pub._write(self.vf, self.vf.region(e["offset"], _padded(e)), piece.contiguous(), self.ck)
-        else:
+        if self.vf is None:
             self.pieces.append((e, piece))
+        elif (self.base and e["nbytes"] < SMALL and piece.is_cpu and piece.is_contiguous()
+              and piece.nbytes == e["nbytes"]):
+            self._put_small(e, piece)
+        else:
+            self._checksum_run()  # the store's checksum reads it in layout order (crc32 is ordered)
+            self.pub._write(self.vf, self.vf.region(e["offset"], _padded(e)), piece.contiguous(), self.ck)
         self.entry_i += 1
         b = self.layout.buckets[self.bucket_i]
         if self.entry_i == b["first"] + b["count"]:
+            self._checksum_run()
             self._close_bucket(b)
+
+    def _put_small(self, e: dict, piece: torch.Tensor) -> None:
+        """Copy a small contiguous CPU tensor into its region with one ``memmove`` (a torch op's
+        dispatch costs more than copying a few KiB) and add its padded region to the packed run,
+        whose checksum is taken once, over the whole run."""
+        ctypes.memmove(self.base + e["offset"], piece.data_ptr(), e["nbytes"])
+        end = e["offset"] + _padded(e)
+        self.run = [self.run[0] if self.run else e["offset"], end]
+        if end - self.run[0] >= SMALL:
+            self._checksum_run()
+
+    def _checksum_run(self) -> None:
+        """Checksum the packed run (its tensors and their padding: the same bytes, in the same
+        order, as tensor-by-tensor writes, so the same digest)."""
+        if self.run:
+            self.ck.update(self.vf.region(self.run[0], self.run[1] - self.run[0]))
+            self.run = []
 
     def _close_bucket(self, b: dict) -> None:
         pub = self.pub
@@ -260,7 +316,8 @@ class _BucketWriter:
         else:
             b["checksum"] = self.ck.digest()
             pub._ready[self.version] = self.bucket_i + 1
-        pub.coord.bucket_ready(self.version, self.bucket_i, b["checksum"])
+        if self.announce:
+            pub.coord.bucket_ready(self.version, self.bucket_i, b["checksum"])
         self.ck = Checksum(pub.checksum)
         self.bucket_i += 1
 
