@@ -750,8 +750,6 @@ class Config:
             _check(stuck is None, "learner.staleness_min", self.learner.staleness_min,
                    f"with rollout.prompts_per_batch = {self.rollout.prompts_per_batch} and learner.groups_per_step = "
                    f"{self.learner.groups_per_step} admission at this bound would stall at version {stuck}: raise it")
-        _check(not (self.model.lora.active and self.rollout.engine == "vllm"), "rollout.engine", self.rollout.engine,
-               "model.lora needs rollout.engine = hf or hf_fast (adapter versions are merged by those engines)")
         obstacle = ipc_obstacle(self) if self.weights.data_plane == "ipc" else None
         if obstacle is not None:
             name, value, why = obstacle

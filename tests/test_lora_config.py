@@ -17,7 +17,6 @@ ON = "model.lora.enabled=true"
     ("model.lora.r=-1", "config field 'model.lora.r' = -1: must be > 0"),
     ("model.lora.target_modules=[nope]", "'nope' matches no nn.Linear of the qwen3_moe model"),
     ("model.lora.target_modules=[]", "config field 'model.lora.target_modules' = []"),
-    ("rollout.engine=vllm", "model.lora needs rollout.engine = hf or hf_fast"),
 ])
 def test_bad_lora_input_exits_2_at_dry_run(capsys, override, needle):
     lines = problems_of(capsys, "--config", "configs/tiny.yaml", ON, override)

