@@ -24,7 +24,8 @@ from streamrl.monitor.source import RunSource
 from streamrl.monitor.ui import render
 
 SECTIONS = ("Totals", "History", "Staleness", "Weights", "MoE router", "Workers")
-STEPS = 60
+# long enough to still be running while two monitor processes start (imports take seconds each)
+STEPS = 200
 
 
 def _wait(pred, timeout_s, what, proc):
@@ -60,11 +61,13 @@ def test_monitor_report_overhead_on_real_run(tmp_path, repo, python, redis_url):
                      240, "run.json", proc)
         run_id = meta["run_id"]
         _wait(lambda: _learner_step(redis_url, run_id) >= 30, 400, "learner step 30", proc)
+        # the UI snapshot first, while the workers surely beat: the two monitor processes below
+        # take their imports' time, and on a loaded machine the run can end meanwhile
+        snap_ui = take_snapshot(RunSource(redis_url, run_id), SnapshotBuilder(window_s=20))
         live = subprocess.run([python, "-m", "streamrl.monitor.cli", str(run_dir), "--iterations", "2",
                                "--interval", "0.5"], capture_output=True, text=True, timeout=120)
         once = subprocess.run([python, "-m", "streamrl.monitor.cli", str(run_dir), "--once", "--json",
                                "--window", "20"], capture_output=True, text=True, timeout=120)
-        snap_ui = take_snapshot(RunSource(redis_url, run_id), SnapshotBuilder(window_s=20))
         proc.wait(timeout=400)
     finally:
         if proc.poll() is None:
