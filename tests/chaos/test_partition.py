@@ -112,7 +112,8 @@ def test_partition_link_down_20s_then_degraded_the_run_carries_on(hosts, tmp_pat
         assert all(p.poll() is None for p in procs), "a launcher exited before the fault"
         t0 = time.monotonic()
         ip("-n", switch, "link", "set", "p1", "down")
-        wait_for(lambda: f"worker {cut} left" in _text(learner_log), LINK_DOWN_S, f"the learner noting worker {cut} gone")
+        wait_for(lambda: f"worker {cut} left" in _text(learner_log), LINK_DOWN_S,
+                 f"the learner noting worker {cut} gone")
         detected = time.monotonic() - t0
         _hold(LINK_DOWN_S - detected, _steps(tmp_path), tmp_path, "the link-down")
         ip("-n", switch, "link", "set", "p1", "up")
