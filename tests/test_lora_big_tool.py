@@ -21,4 +21,5 @@ def test_lora_big_tool_runs_on_its_tiny_shape():
     lora, full = res["versions"]["lora"], res["versions"]["full_scaled"]
     # a version of the adapters alone: the q/k/v/o A and B of each layer plus the scaling
     assert lora["tensors"] == 2 * 4 * 2 + 1 and lora["bytes"] < full["bytes"]
-    assert res["adapter_bytes_ratio"] == lora["bytes"] / full["bytes"]
+    # the adapters in float32 (the scaling too) against the frozen base's bytes
+    assert lora["bytes"] >= 4 * (res["trainable_params"] + 1) and res["adapter_bytes_ratio"] < 0.1
