@@ -3,6 +3,8 @@ and on 2 FSDP2 gloo ranks (ep = 1 and ep = 2); a step trains only the adapters (
 checkpointing); the reference is the frozen base."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -72,14 +74,29 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 PROBE = torch.tensor([[1, 5, 9, 4, 12, 7, 3, 15, 8, 6]])
 
 
+def published(tr) -> dict[str, torch.Tensor]:
+    """``{version name: tensor}`` of the adapter version the trainer publishes now (its packed
+    tensors unpacked by their parts, as a subscriber's views would be)."""
+    out = {}
+    for spec, pieces in zip(tr.param_specs, tr.full_tensors()):
+        flat, start = torch.cat(pieces), 0
+        assert flat.dtype == spec[1] and tuple(flat.shape) == spec[2]
+        for name, shape in spec.parts:
+            n = math.prod(shape)
+            out[name] = flat[start: start + n].view(shape).clone()
+            start += n
+    return out
+
+
 def _lora_logits_and_grads(rank, world, ep=1):
     cfg = lora_cfg(f"learner.ep={ep}")
     values = adapter_values(cfg)
     tr = Trainer(cfg)
     set_adapters(tr.model, values)
+    version = published(tr)  # every rank iterates: one packed gather
     logits, loss = probe_loss(tr.model, PROBE)
     loss.backward()
-    return {"logits": logits.detach(), "grads": full_grads(tr.model)}
+    return {"logits": logits.detach(), "grads": full_grads(tr.model), "version": version}
 
 
 def _reference_logits_and_grads():
@@ -92,6 +109,11 @@ def _reference_logits_and_grads():
 
 
 def _assert_equal_to_reference(out, ref_logits, ref_grads, atol):
+    # the published adapters are exactly the values set (gathered from the shards, unpacked)
+    values = {n.removeprefix("base_model.model.").replace(".default", ""): t
+              for n, t in adapter_values(lora_cfg()).items()}
+    assert sorted(out["version"]) == sorted([*values, SCALING_NAME])
+    assert all(torch.equal(out["version"][n], t) for n, t in values.items())
     assert torch.allclose(out["logits"], ref_logits, atol=atol, rtol=0)
     assert sorted(out["grads"]) == sorted(ref_grads)
     assert all("lora_" in n for n in ref_grads)  # the base is frozen in both
@@ -122,18 +144,21 @@ def test_step_trains_only_adapters_and_publishes_them():
     trained = [p for g in tr.optim.param_groups for p in g["params"]]
     assert trained and all(p.requires_grad for p in trained)
     assert sum(p.numel() for p in trained) < sum(p.numel() for p in base_before.values()) / 10
-    before = [t.clone() for t in tr.full_tensors()]
+    before = published(tr)
     m = tr.step(make_batch(7, n=8))
     assert m["learner/skipped_no_signal"] == 0.0
     for n, p in tr.model.named_parameters():
         if not p.requires_grad:
             assert torch.equal(p, base_before[n]), n
-    names = [s[0] for s in tr.param_specs]
+    # one packed float32 tensor: every adapter (PEFT's float32) and the scaling, last
+    assert [s[:2] for s in tr.param_specs] == [("lora.adapters.float32", torch.float32)]
+    names = [n for n, _ in tr.param_specs[0].parts]
     assert names[-1] == SCALING_NAME and all(".lora_" in n for n in names[:-1])
-    after = list(tr.full_tensors())
-    assert [tuple(t.shape) for t in after] == [s[2] for s in tr.param_specs]
-    assert float(after[-1]) == cfg.model.lora.alpha / cfg.model.lora.r
-    assert any(not torch.equal(a, b) for a, b in zip(before, after))  # the adapters moved
+    assert len(names) == len(trained) + 1
+    after = published(tr)
+    assert list(after) == names and all(tuple(after[n].shape) == s for n, s in tr.param_specs[0].parts)
+    assert float(after[SCALING_NAME]) == cfg.model.lora.alpha / cfg.model.lora.r
+    assert any(not torch.equal(after[n], before[n]) for n in names)  # the adapters moved
 
 
 def test_kl_reference_is_the_frozen_base():
@@ -174,7 +199,8 @@ def test_activation_checkpointing_gives_the_same_step():
     for ac in ("false", "true"):
         tr = Trainer(lora_cfg(f"learner.activation_checkpointing={ac}"))
         m = tr.step(make_batch(7, n=8))
-        outs.append((m["learner/loss"], [t.clone() for t in tr.full_tensors()]))
+        outs.append((m["learner/loss"], published(tr)))
     assert outs[0][0] == pytest.approx(outs[1][0], rel=1e-6)
-    for a, b in zip(outs[0][1], outs[1][1]):
-        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+    assert list(outs[0][1]) == list(outs[1][1])
+    for n, a in outs[0][1].items():
+        assert torch.allclose(a, outs[1][1][n], atol=1e-6, rtol=0)

@@ -17,14 +17,14 @@ from streamrl.weights.publisher import WeightPublisher
 from streamrl.weights.subscriber import WeightSubscriber
 
 from test_checkpoint import make_batch
-from test_lora_trainer import adapter_values, lora_cfg, set_adapters
+from test_lora_trainer import adapter_values, lora_cfg, published, set_adapters
 
 
 def expected_engine_weights(cfg, tr: Trainer) -> dict[str, torch.Tensor]:
     """The plain HF model's parameters with the trainer's current adapters merged."""
     base, _ = build_model(cfg.model, seed=cfg.run.seed)
     params = {n: p.detach().clone() for n, p in base.named_parameters()}
-    version = {name: t.clone() for (name, _, _), t in zip(tr.param_specs, tr.full_tensors())}
+    version = published(tr)
     scaling = float(version.pop("lora.scaling"))
     for name in [n for n in version if n.endswith(".lora_A.weight")]:
         w = base_weight_name(name)

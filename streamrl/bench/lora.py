@@ -5,7 +5,9 @@ shapes (Llama, hidden 576, 30 layers, 9 heads / 3 kv heads, MLP 1536, vocab 4915
 process is the learner and the rollout engine: the publisher writes each version into the
 shared-memory store (real Redis, real checksums), the subscriber fetches, verifies and loads it
 into an engine's parameters (a full version is copied; an adapter version is merged from the
-base, :mod:`streamrl.engines.adapter_merge`). Reported per kind: bytes, publish seconds,
+base, :mod:`streamrl.engines.adapter_merge`). The adapter version is the learner's: its LoRA
+policy's packed tensor, packed in each round (the pack is part of the publish seconds).
+Reported per kind: bytes, tensors (a packed one's parts), publish seconds,
 fetch + verify + load seconds and end-to-end seconds (best of ``--repeat``); then the ratios
 (target: the adapter's publish-time ratio at most twice its bytes ratio), and the merged vs
 unmerged figure: seconds to merge every adapted projection against what the unmerged adapters
@@ -31,7 +33,9 @@ from streamrl.config import LoraConfig
 from streamrl.coord.coordinator import Coordinator
 from streamrl.engines.adapter_merge import EngineWeights
 from streamrl.launcher.redis_server import RedisServer
-from streamrl.models.lora import SCALING_NAME, adapter_parameters, apply_lora, lora_scaling
+from streamrl.learner.lora_policy import LoraPolicy
+from streamrl.models.lora import SCALING_NAME, adapter_parameters, lora_scaling
+from streamrl.weights.layout import tensor_count
 from streamrl.weights.publisher import WeightPublisher
 from streamrl.weights.subscriber import WeightSubscriber
 
@@ -47,7 +51,7 @@ class _Engine:
 
 
 def build(args):
-    """(engine model, LoRA learner model) of the same random base."""
+    """(engine model, LoRA learner model, its LoRA policy) of the same random base."""
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
     dtype = getattr(torch, args.dtype)
@@ -57,20 +61,24 @@ def build(args):
     learner = LlamaForCausalLM(cfg).to(dtype)
     learner.load_state_dict(engine.state_dict())
     lora = LoraConfig(enabled=True, r=args.r, alpha=2.0 * args.r, target_modules=args.targets.split(","))
-    apply_lora(learner, lora)
+    policy = LoraPolicy(learner, lora, seed=0)
     with torch.no_grad():  # B = 0 at init: make the merge real work
         for _, _, p in adapter_parameters(learner):
             p.normal_(0, 0.01)
-    return engine, learner, lora
+    return engine, learner, policy
 
 
-def versions(engine, learner, lora):
-    """{kind: (specs, tensor list)} of a full version and an adapter version."""
-    full = [(n, p.detach()) for n, p in engine.named_parameters()]
-    adapters = [(e, p.detach()) for _, e, p in adapter_parameters(learner)]
-    adapters.append((SCALING_NAME, torch.tensor([lora_scaling(lora)], dtype=torch.float32)))
-    return {kind: ([(n, t.dtype, tuple(t.shape)) for n, t in items], [t for _, t in items])
-            for kind, items in (("full", full), ("lora", adapters))}
+def versions(engine, policy: LoraPolicy):
+    """{kind: (specs, tensors of one version: a callable)} of a full version and an adapter version."""
+    full = [p.detach() for _, p in engine.named_parameters()]
+    full_specs = [(n, p.dtype, tuple(p.shape)) for n, p in engine.named_parameters()]
+    return {"full": (full_specs, lambda: iter(full)), "lora": (policy.specs(), policy.full_tensors)}
+
+
+def adapter_items(learner, lora) -> list[tuple[str, torch.Tensor]]:
+    """An adapter version as the engine receives it: (version name, tensor) of each adapter, then the scaling."""
+    items = [(e, p.detach()) for _, e, p in adapter_parameters(learner)]
+    return items + [(SCALING_NAME, torch.tensor([lora_scaling(lora)], dtype=torch.float32))]
 
 
 def time_versions(url: str, engine, kinds: dict, repeat: int) -> dict:
@@ -83,10 +91,11 @@ def time_versions(url: str, engine, kinds: dict, repeat: int) -> dict:
     out, version = {}, 0
     try:
         for kind, (specs, tensors) in kinds.items():
+            count = tensor_count(specs)
             best: dict[str, float] = {}
             for _ in range(repeat + 1):  # the first round allocates the store's pages
                 t0 = time.perf_counter()
-                timings = pub.publish(version, specs, iter(tensors))
+                timings = pub.publish(version, specs, tensors())
                 t1 = time.perf_counter()
                 assert sub.load(target, 0, version) == version
                 t2 = time.perf_counter()
@@ -94,7 +103,8 @@ def time_versions(url: str, engine, kinds: dict, repeat: int) -> dict:
                 best = {k: min(v, best.get(k, v)) for k, v in row.items()}
                 bytes_ = int(timings["weights/bytes"])
                 version += 1
-            out[kind] = {"bytes": bytes_, "tensors": len(specs), **{k: round(v, 5) for k, v in best.items()}}
+            out[kind] = {"bytes": bytes_, "tensors": count, "published_tensors": len(specs),
+                         **{k: round(v, 5) for k, v in best.items()}}
     finally:
         sub.close()
         pub.close()
@@ -109,8 +119,7 @@ def merge_vs_unmerged(engine, learner, lora, batch: int) -> dict:
         pairs.setdefault(e.rsplit(".", 2)[0], []).append(p.detach())
     mods = [(base[f"{m}.weight"].detach(), a, b) for m, (a, b) in pairs.items()]
     s = lora_scaling(lora)
-    specs, tensors = versions(engine, learner, lora)["lora"]
-    version = [(spec[0], t) for spec, t in zip(specs, tensors)]
+    version = adapter_items(learner, lora)
     weights = EngineWeights({k: v.detach().clone() for k, v in base.items()})
 
     def best(fn, n):
@@ -148,14 +157,14 @@ def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.r < 1 or args.layers < 1 or args.repeat < 1:
         raise ValueError(f"--r {args.r} / --layers {args.layers} / --repeat {args.repeat}: each must be >= 1")
-    engine, learner, lora = build(args)
+    engine, learner, policy = build(args)
     server = None
     url = args.redis_url
     if url is None:
         server = RedisServer(Path(tempfile.mkdtemp(prefix="streamrl-bench-redis-"))).start()
         url = server.url
     try:
-        rows = time_versions(url, engine, versions(engine, learner, lora), args.repeat)
+        rows = time_versions(url, engine, versions(engine, policy), args.repeat)
     finally:
         if server is not None:
             server.stop()
@@ -164,7 +173,7 @@ def main(argv=None) -> int:
            "bytes_ratio": round(ad["bytes"] / full["bytes"], 5),
            "publish_ratio": round(ad["publish_s"] / full["publish_s"], 5),
            "e2e_ratio": round(ad["e2e_s"] / full["e2e_s"], 5),
-           "merge": merge_vs_unmerged(engine, learner, lora, args.batch)}
+           "merge": merge_vs_unmerged(engine, learner, policy.cfg, args.batch)}
     out["publish_ratio_over_bytes_ratio"] = round(out["publish_ratio"] / out["bytes_ratio"], 2)
     for kind in ("full", "lora"):
         r = rows[kind]

@@ -7,8 +7,11 @@ answers the trainer's LoRA questions in one place:
 
 * the parameters of the optimizer, the gradient clip and the checkpoint: the adapters (and
   the critic's value head, which is trained too), never the frozen base;
-* the weights manifest: the adapter tensors under their version names plus ``lora.scaling``;
-  bytes proportional to the adapter, not the model;
+* the weights manifest: the adapter tensors under their version names plus ``lora.scaling``,
+  packed into one flat tensor per dtype (:class:`~streamrl.weights.layout.PackedSpec`; one
+  float32 tensor with PEFT's float32 adapters), gathered with one collective per pack: bytes
+  proportional to the adapter, and a publish that costs about its bytes, not a few hundred
+  per-tensor steps (gathers, copies, manifest entries);
 * the reference policy of ``learner.kl_coef``: the same model under PEFT's
   ``disable_adapter()``, the frozen base, with no second copy in memory.
 """
@@ -18,16 +21,18 @@ from contextlib import AbstractContextManager
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from peft import PeftModel
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from streamrl.config import LoraConfig
 from streamrl.learner.critic import is_critic_param
 from streamrl.models.lora import SCALING_NAME, adapter_parameters, apply_lora, engine_name, lora_scaling
-from streamrl.parallel.expert_parallel import full_parameter
-from streamrl.parallel.mesh import LearnerMesh
+from streamrl.transport.codec import DTYPE_NAMES
+from streamrl.weights.layout import PackedSpec
 
-Spec = tuple[str, torch.dtype, tuple[int, ...]]
+PACK_PREFIX = "lora.adapters."  # + dtype name: the packed tensor of the adapters of that dtype
 
 
 class LoraPolicy:
@@ -48,6 +53,8 @@ class LoraPolicy:
             self.peft: PeftModel = apply_lora(model, cfg)
         self.model = model
         self.scaling = lora_scaling(cfg)
+        self._packs: list[tuple[PackedSpec, PackedGather]] | None = None  # see _plan
+        self._scaling = torch.tensor([self.scaling], dtype=torch.float32)  # [1], the last piece of the float32 pack
 
     def freeze_base(self) -> None:
         """Freeze every parameter but the adapters and the value head. Call after
@@ -65,20 +72,116 @@ class LoraPolicy:
         """(name, parameter) of :meth:`trainable`, in ``named_parameters`` order (the checkpoint's keys)."""
         return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
 
-    def specs(self) -> list[Spec]:
-        """The weights manifest of an adapter version: (version name, dtype, global shape) of each
-        adapter tensor, then ``lora.scaling`` [1] float32. FSDP2 shards are DTensors whose
-        ``shape`` is the global one."""
-        out = [(ename, p.dtype, tuple(p.shape)) for _, ename, p in adapter_parameters(self.model)]
-        return out + [(SCALING_NAME, torch.float32, (1,))]
+    def _plan(self) -> list[tuple[PackedSpec, PackedGather]]:
+        """(spec, gather) of each pack, built at the first use (after sharding, when the
+        adapters have their final dtype and DTensor placement) and reused by every version."""
+        if self._packs is None:
+            groups: dict[torch.dtype, list[tuple[str, nn.Module, torch.Tensor]]] = {}
+            for name, ename, p in adapter_parameters(self.model):
+                module = self.model.get_submodule(name.rpartition(".")[0])
+                groups.setdefault(p.dtype, []).append((ename, module, p))
+            groups.setdefault(torch.float32, [])  # the scaling's pack
+            self._packs = []
+            for dt, members in groups.items():
+                parts = [(n, tuple(p.shape)) for n, _, p in members]
+                parts += [(SCALING_NAME, (1,))] if dt == torch.float32 else []
+                spec = PackedSpec(PACK_PREFIX + DTYPE_NAMES[dt], dt, parts)
+                self._packs.append((spec, PackedGather([m for _, m, _ in members])))
+        return self._packs
 
-    def full_tensors(self, mesh: LearnerMesh) -> Iterator[torch.Tensor]:
-        """The full adapter tensors one at a time in :meth:`specs` order (each gather is a
-        collective: every rank iterates), then the scaling."""
-        for name, _, p in adapter_parameters(self.model):
-            yield full_parameter(name, p, mesh)
-        yield torch.tensor([self.scaling], dtype=torch.float32)
+    def specs(self) -> list[PackedSpec]:
+        """The weights manifest of an adapter version: one packed spec per adapter dtype, named
+        ``lora.adapters.<dtype>``, whose parts are (version name, global shape) of each adapter
+        tensor of that dtype (FSDP2 shards are DTensors whose ``shape`` is the global one);
+        ``lora.scaling`` [1] is the last part of the float32 pack. With PEFT's float32 adapters
+        that is one spec."""
+        return [spec for spec, _ in self._plan()]
+
+    def full_tensors(self) -> Iterator[list[torch.Tensor]]:
+        """The packed tensors of :meth:`specs`, in order, each as its pieces (1-d tensors whose
+        concatenation is the pack [N]: the full adapters of one dtype back to back, then the
+        scaling), made with one collective (every rank iterates; the adapters are dense, sharded,
+        or not, over their own DTensor mesh). The pieces may be views of the parameters: the
+        publisher copies them (``torch.cat(pieces)`` for a pack of your own)."""
+        for spec, gather in self._plan():
+            yield gather([self._scaling] if spec[1] == torch.float32 else [])
 
     def reference(self) -> AbstractContextManager:
         """Context in which the model computes the frozen base's outputs (adapters bypassed)."""
         return self.peft.disable_adapter()
+
+
+
+class PackedGather:
+    """The full adapters of one dtype as the pieces of one packed tensor: a list of 1-d tensors
+    whose concatenation is the pack [sum of the adapters' numels] (then a tail), handed to the
+    publisher, which concatenates them straight into its store (one op, no pack buffer).
+
+    Plain tensors: their flat views. FSDP2 shards (DTensors, ``Shard(0)`` on one 1-d mesh, the
+    dense parameters' placement) are gathered in one collective instead of one per tensor: each
+    rank concatenates its local rows of every adapter (zero-padded to the longest rank's),
+    ``all_gather`` brings every rank's block, and the full adapter ``i`` is rank 0's rows of it,
+    then rank 1's, ... (``Shard(0)`` puts the ranks' rows in rank order along dim 0, uneven or
+    empty shards included): views of the blocks in that order. Any other placement
+    (expert-parallel or multi-dim, which adapters never get: MoE modules are refused as targets)
+    is refused rather than guessed.
+
+    Args:
+        modules: the ``lora_A`` / ``lora_B`` linears, in pack order. Their ``weight`` is read
+            at each call: FSDP2 swaps the registered parameter (sharded / unsharded).
+    """
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+        self.numels: list[list[int]] | None = None  # [rank][adapter] local numels, learned once
+        # Unsharded adapters (no FSDP: the registered parameters never change) and their flat
+        # views, kept by storage address (a parameter whose storage was replaced is seen): a few
+        # hundred attribute reads and reshapes per version cost more than the copy.
+        self._plain: list[torch.Tensor] | None = None
+        self._flat: tuple[list[int], list[torch.Tensor]] | None = None
+
+    @torch.no_grad()
+    def __call__(self, tail: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The pack's pieces (1-d, one dtype), ``tail`` (on the adapters' device) last."""
+        if self._plain is not None:  # unsharded: the same parameters every version
+            params = self._plain
+            ptrs = [p.data_ptr() for p in params]
+            if self._flat is None or self._flat[0] != ptrs:
+                self._flat = (ptrs, [p.detach().reshape(-1) for p in params])
+            return self._flat[1] + ([t.to(params[0].device) for t in tail] if params else tail)
+        params = [m.weight for m in self.modules]
+        if not params or not isinstance(params[0], DTensor):
+            self._plain = params
+            return self(tail)
+        tail = [t.to(params[0].device) for t in tail]
+        mesh = params[0].device_mesh
+        local = [p.to_local().reshape(-1) for p in params]
+        if self.numels is None:
+            self.numels = self._learn_numels(params, local)
+        numels, world, group = self.numels, mesh.size(), mesh.get_group()
+        width = max(sum(row) for row in numels)
+        send = local[0].new_zeros(width)
+        torch.cat(local, out=send[: sum(numels[mesh.get_local_rank()])])
+        blocks = [torch.empty_like(send) for _ in range(world)]
+        dist.all_gather(blocks, send, group=group)
+        starts = [0] * world  # where the next adapter's rows begin in each rank's block
+        pieces = []
+        for i in range(len(params)):
+            for r in range(world):
+                pieces.append(blocks[r][starts[r]: starts[r] + numels[r][i]])
+                starts[r] += numels[r][i]
+        return pieces + tail
+
+    @staticmethod
+    def _learn_numels(params: list[DTensor], local: list[torch.Tensor]) -> list[list[int]]:
+        """Check the placement and gather every rank's local numel of each adapter (a collective:
+        the ranks' shapes differ when a dim 0 does not divide by the world)."""
+        mesh = params[0].device_mesh
+        if mesh.ndim != 1 or not all(isinstance(p, DTensor) and p.device_mesh == mesh
+                                     and tuple(p.placements) == (Shard(0),) for p in params):
+            raise ValueError("LoRA adapters: expected every adapter as a DTensor with Shard(0) on one 1-d mesh "
+                             "(FSDP2's dense placement)")
+        mine = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=local[0].device)
+        sizes = [torch.empty_like(mine) for _ in range(mesh.size())]
+        dist.all_gather(sizes, mine, group=mesh.get_group())
+        return torch.stack(sizes).tolist()

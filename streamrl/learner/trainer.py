@@ -385,7 +385,7 @@ class Trainer:
         keeps them, and only one at a time. With ``router_ema`` the routers are the EMA copies.
         """
         if self.lora is not None:  # an adapter version: the adapters and their scaling
-            yield from self.lora.full_tensors(self.mesh)
+            yield from self.lora.full_tensors()
             return
         ema = self.router.ema_state() if self.router.ema else {}
         for name, p in self.model.named_parameters():

@@ -17,6 +17,12 @@ Checksums (``algo`` in the manifest):
 
 Both are computed chunk by chunk right after each chunk is written (:class:`Checksum`), so
 the second read hits the cache instead of memory.
+
+A *packed* tensor (:class:`PackedSpec`) is one flat tensor that concatenates many small named
+parts (a LoRA version: a few hundred adapter factors). The publisher moves it as one tensor (one
+copy, one checksum run, one manifest entry); its entry carries ``"parts": {"names": [...], "shapes": [[...], ...]}``
+(parallel lists: half the JSON items of one ``[name, shape]`` pair per part, and JSON encoding
+costs per item) and :meth:`Layout.views` hands the parts out as views, so a version's consumers see the parts.
 """
 from __future__ import annotations
 
@@ -31,6 +37,37 @@ from streamrl.transport.codec import DTYPE_NAMES, DTYPES
 ALIGN = 64
 CHUNK = 1 << 20  # copy + checksum granularity: fits in L2, amortises Python overhead
 ALGOS = ("sum64", "crc32")
+
+Part = tuple[str, tuple[int, ...]]
+
+
+class PackedSpec(tuple):
+    """The spec ``(name, dtype, (N,))`` of a packed tensor: a flat [N] tensor of ``dtype`` holding
+    ``parts`` (name, shape) back to back in order, without padding (N = their total numel).
+
+    It unpacks like any ``(name, dtype, shape)`` spec; equal only to a spec with the same parts.
+    """
+
+    parts: tuple[Part, ...]
+
+    def __new__(cls, name: str, dtype: torch.dtype, parts: list[Part]):
+        parts = tuple((str(n), tuple(int(d) for d in shape)) for n, shape in parts)
+        self = super().__new__(cls, (name, dtype, (sum(math.prod(shape) for _, shape in parts),)))
+        self.parts = parts
+        return self
+
+    def __eq__(self, other) -> bool:
+        return tuple.__eq__(self, other) and self.parts == getattr(other, "parts", None)
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
+
+
+def tensor_count(specs: list) -> int:
+    """How many tensors a version of ``specs`` hands its consumers (a packed spec: its parts)."""
+    return sum(len(s.parts) if isinstance(s, PackedSpec) else 1 for s in specs)
 
 
 class ChecksumError(RuntimeError):
@@ -85,7 +122,8 @@ def checksum_region(buf: torch.Tensor, algo: str) -> str:
 class Layout:
     """Where each tensor of a version lives.
 
-    tensors: per tensor ``{"name", "dtype", "shape", "offset", "nbytes"}`` (engine names).
+    tensors: per tensor ``{"name", "dtype", "shape", "offset", "nbytes"}`` (engine names), and
+    for a packed tensor ``"parts"``: ``{"names": [...], "shapes": [[...], ...]}`` (see :class:`PackedSpec`).
     buckets: per bucket ``{"offset", "nbytes", "first", "count"}``; tensors ``first ..
     first+count-1`` lie in ``[offset, offset+nbytes)``.
     """
@@ -109,8 +147,11 @@ class Layout:
             if i > b_first and off - b_start + nbytes > bucket_bytes:
                 buckets.append({"offset": b_start, "nbytes": off - b_start, "first": b_first, "count": i - b_first})
                 b_start, b_first = off, i
-            tensors.append({"name": name, "dtype": DTYPE_NAMES[dtype], "shape": list(shape),
-                            "offset": off, "nbytes": nbytes})
+            entry = {"name": name, "dtype": DTYPE_NAMES[dtype], "shape": list(shape), "offset": off, "nbytes": nbytes}
+            if isinstance(specs[i], PackedSpec):  # as JSON reads it back: lists
+                entry["parts"] = {"names": [n for n, _ in specs[i].parts],
+                                  "shapes": [list(shape) for _, shape in specs[i].parts]}
+            tensors.append(entry)
             off = _align(off + nbytes)
         if specs:
             buckets.append({"offset": b_start, "nbytes": off - b_start, "first": b_first, "count": len(specs) - b_first})
@@ -133,6 +174,8 @@ class Layout:
                 want = math.prod(e["shape"]) * torch.empty((), dtype=DTYPES[e["dtype"]]).element_size()
                 if want != e["nbytes"] or e["offset"] < b["offset"] or e["offset"] + e["nbytes"] > end:
                     raise ValueError(f"weights manifest: tensor {e['name']} lies outside its bucket")
+                if "parts" in e:
+                    _check_parts(e)
         if end != self.total_bytes:
             raise ValueError(f"weights manifest: buckets cover {end} of {self.total_bytes} bytes")
 
@@ -147,8 +190,35 @@ class Layout:
         for e in self.bucket_tensors(index):
             dtype = DTYPES[e["dtype"]]
             lo = e["offset"] - base
-            out.append((e["name"], buf[lo: lo + e["nbytes"]].view(dtype).view(e["shape"])))
+            t = buf[lo: lo + e["nbytes"]].view(dtype)
+            if "parts" not in e:
+                out.append((e["name"], t.view(e["shape"])))
+                continue
+            start = 0  # a packed tensor: its parts, back to back
+            for name, shape in zip(e["parts"]["names"], e["parts"]["shapes"]):
+                n = math.prod(shape)
+                out.append((name, t[start: start + n].view(shape)))
+                start += n
         return out
+
+
+def _check_parts(e: dict) -> None:
+    """A packed entry's ``parts`` is ``{"names": [str, ...], "shapes": [[int >= 0, ...], ...]}``
+    (as long as each other) filling its flat 1-d tensor exactly; raises ValueError naming the field."""
+    parts, where = e["parts"], f"weights manifest: tensor {e['name']!r} field 'parts'"
+    if (not isinstance(parts, dict) or sorted(parts) != ["names", "shapes"] or not isinstance(parts["names"], list)
+            or not isinstance(parts["shapes"], list) or len(parts["names"]) != len(parts["shapes"])):
+        raise ValueError(f"{where}: must be {{'names': [...], 'shapes': [...]}} of equal lengths, "
+                         f"got {str(parts)[:80]}")
+    if len(e["shape"]) != 1:
+        raise ValueError(f"{where}: a packed tensor is 1-d, got shape {e['shape']}")
+    total = 0
+    for name, shape in zip(parts["names"], parts["shapes"]):
+        if not isinstance(name, str) or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"{where}: part {str(name)[:60]} {str(shape)[:40]} is not a name with a shape of dims >= 0")
+        total += math.prod(shape)
+    if total != e["shape"][0]:
+        raise ValueError(f"{where}: parts hold {total} elements, the tensor {e['shape'][0]}")
 
 
 def write_tensor(dst: torch.Tensor, src: torch.Tensor, checksum: Checksum | None) -> None:

@@ -12,9 +12,11 @@ never a second model copy. GPU tensors are copied straight into the page-locked 
 (:mod:`streamrl.weights.pinning`), asynchronously with one wait per bucket, and checksummed
 on the GPU: no host pass over the bytes.
 
-Small contiguous CPU tensors (under ``SMALL`` bytes; a LoRA version is hundreds of them, 3.7 MB
-in all) are packed into a host store: each is one ``memmove``, and a run of them is checksummed
-once, so such a version costs about its bytes, not a torch op per tensor. A version of one
+Small contiguous CPU tensors (under ``SMALL`` bytes) are packed into a host store: each is one
+``memmove``, and a run of them is checksummed once, so such a version costs about its bytes, not
+a torch op per tensor. A LoRA version goes further: the learner hands its hundreds of adapters as
+one packed tensor (:class:`~streamrl.weights.layout.PackedSpec`, one manifest entry) whose pieces
+are concatenated straight into the store by one op. A version of one
 bucket is announced once, complete, in one Redis pipeline: a streaming subscriber could not
 read any of it before its only bucket is in anyway. Successive versions of the same specs
 reuse one layout plan.
@@ -33,6 +35,7 @@ Data planes (``plane``):
 from __future__ import annotations
 
 import ctypes
+import math
 import socket
 import time
 from typing import Any, Iterable
@@ -43,6 +46,7 @@ from streamrl.coord.coordinator import Coordinator
 from streamrl.weights.adapter import adapt_specs, adapt_tensor
 from streamrl.weights.collective import CollectiveSender
 from streamrl.weights.ipc import DeviceStore, copy_into
+from streamrl.transport.codec import DTYPES
 from streamrl.weights.layout import CHUNK, Checksum, Layout, write_tensor
 from streamrl.weights.store import ShmStore
 from streamrl.weights.zmq_plane import BucketServer
@@ -104,7 +108,9 @@ class WeightPublisher:
     def publish(self, version: int, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
                 tensors: Iterable[torch.Tensor | tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Write ``tensors`` (full learner tensors in ``specs`` order, produced lazily; items may
-        be tensors or ``(name, tensor)``) and announce ``version``.
+        be tensors or ``(name, tensor)``) and announce ``version``. The item of a
+        :class:`~streamrl.weights.layout.PackedSpec` may also be a list of 1-d tensors (its
+        pieces), concatenated straight into the store: the pack is never a tensor of its own.
 
         Returns ``{"weights/gather_s", "weights/write_s", "weights/publish_s", "weights/bytes",
         "weights/buckets", "weights/peak_tensor_bytes", "weights/gpu_wait_s"}``; ``gpu_wait_s``
@@ -119,19 +125,24 @@ class WeightPublisher:
         waited = False
         peak = 0
         it = iter(tensors)
-        for name, _, _ in specs:
+        for name, dtype, shape in specs:
             tg = time.perf_counter()
             item = next(it)
             t = item[1] if isinstance(item, tuple) else item
             tw = time.perf_counter()
             gather_s += tw - tg
-            peak = max(peak, t.nbytes)
-            if t.is_cuda and not waited:
-                torch.cuda.current_stream(t.device).synchronize()
+            packed = isinstance(t, list)  # a PackedSpec's pieces
+            lead = (t[0] if t else None) if packed else t
+            peak = max(peak, math.prod(shape) * dtype.itemsize if packed else t.nbytes)  # put_packed checks it
+            if lead is not None and lead.is_cuda and not waited:
+                torch.cuda.current_stream(lead.device).synchronize()
                 gpu_wait_s, waited = time.perf_counter() - tw, True
-            for ename, piece in adapt_tensor(name, t, self.target):
-                writer.put(ename, piece)
-            del t, item
+            if packed:
+                writer.put_packed(name, t)
+            else:
+                for ename, piece in adapt_tensor(name, t, self.target):
+                    writer.put(ename, piece)
+            del t, item, lead
             write_s += time.perf_counter() - tw
         writer.check_complete()
         manifest["state"] = "complete"
@@ -284,6 +295,36 @@ class _BucketWriter:
         else:
             self._checksum_run()  # the store's checksum reads it in layout order (crc32 is ordered)
             self.pub._write(self.vf, self.vf.region(e["offset"], _padded(e)), piece.contiguous(), self.ck)
+        self._advance()
+
+    def put_packed(self, ename: str, pieces: list[torch.Tensor]) -> None:
+        """Put a packed tensor given as its 1-d ``pieces`` (in order, of its dtype). Into a host
+        store: one ``torch.cat`` into its region and one checksum over it (a LoRA version: a few
+        hundred pieces, no per-piece Python); elsewhere (GPU pieces, device buffer, collective
+        plane) it is concatenated first and put like any tensor."""
+        e = self.layout.tensors[self.entry_i]
+        dtype = DTYPES[e["dtype"]]
+        if e["name"] != ename or "parts" not in e or (pieces and pieces[0].dtype != dtype):
+            raise ValueError(f"packed tensor {ename} of {pieces[0].dtype if pieces else '-'} does not match its "
+                             f"spec {e['name']} {e['dtype']} (a packed one: {'parts' in e})")
+        if not (self.base and pieces and pieces[0].is_cpu):
+            packed = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
+            self.put(ename, packed)  # checks the total
+            return
+        self._checksum_run()  # the store's checksum reads it in layout order (crc32 is ordered)
+        region = self.vf.region(e["offset"], _padded(e))
+        dst = region[: e["nbytes"]].view(dtype)
+        n = dst.numel()
+        torch.cat(pieces, out=dst)
+        # A wrong total resizes ``dst`` (or fails to): checked after the copy, not by a sum over
+        # hundreds of pieces, and raised before anything of the version is announced.
+        if dst.numel() != n:
+            raise ValueError(f"packed tensor {ename}: its pieces hold {dst.numel()} elements, its spec {e['shape']}")
+        self.ck.update(region)
+        self._advance()
+
+    def _advance(self) -> None:
+        """One engine tensor is in: close its bucket when it was the bucket's last."""
         self.entry_i += 1
         b = self.layout.buckets[self.bucket_i]
         if self.entry_i == b["first"] + b["count"]:

@@ -42,6 +42,7 @@ from streamrl.config import load_config
 from streamrl.coord.coordinator import Coordinator
 from streamrl.learner.trainer import Trainer
 from streamrl.launcher.redis_server import RedisServer
+from streamrl.weights.layout import tensor_count
 from streamrl.weights.publisher import WeightPublisher
 from streamrl.weights.subscriber import WeightSubscriber
 
@@ -167,7 +168,7 @@ def publish_rows(tr: Trainer, device: str, sample_bytes: int) -> dict:
                         row = {"publish_s": t1 - t0, "publish_to_loaded_s": t2 - t0}
                         best = {k: min(v, best.get(k, v)) for k, v in row.items()}
                     version += 1
-                rows[kind] = {"bytes": int(timings["weights/bytes"]), "tensors": len(specs), **best}
+                rows[kind] = {"bytes": int(timings["weights/bytes"]), "tensors": tensor_count(specs), **best}
         finally:
             sub.close()
             pub.close()
