@@ -13,6 +13,7 @@ from streamrl.engines.factory import build_engine
 from streamrl.learner.trainer import Trainer
 from streamrl.models.factory import build_model
 from streamrl.models.lora import base_weight_name, merged_weight
+from streamrl.weights.layout import Layout, PackedSpec
 from streamrl.weights.publisher import WeightPublisher
 from streamrl.weights.subscriber import WeightSubscriber
 
@@ -87,3 +88,26 @@ def test_bench_lora_reports_both_versions(capsys):
     assert out["lora"]["bytes"] < out["full"]["bytes"] / 10
     assert out["bytes_ratio"] == round(out["lora"]["bytes"] / out["full"]["bytes"], 5)
     assert out["merge"]["projections"] == 4 and out["merge"]["merge_s"] > 0
+
+
+def test_packed_manifest_entry_round_trips_and_malformed_parts_are_refused():
+    """A packed tensor is one manifest entry whose parts come back as views; a malformed ``parts``
+    (from Redis: plain JSON) is refused by the subscriber's check, naming the field."""
+    a, b = torch.arange(6.0).view(2, 3), torch.arange(4.0).view(4, 1)
+    spec = PackedSpec("lora.adapters.float32", torch.float32, [("m.lora_A.weight", (2, 3)), ("m.lora_B.weight", (4, 1))])
+    assert tuple(spec) == ("lora.adapters.float32", torch.float32, (10,)) and spec != PackedSpec(spec[0], spec[1], [("x", (10,))])
+    layout = Layout.plan([spec], 1 << 20)
+    manifest = json.loads(json.dumps({"tensors": layout.tensors, "buckets": layout.buckets,
+                                      "total_bytes": layout.total_bytes}))
+    got = Layout.from_manifest(manifest)
+    got.check()
+    buf = torch.zeros(got.total_bytes, dtype=torch.uint8)
+    buf[:40].view(torch.float32).copy_(torch.cat([a.reshape(-1), b.reshape(-1)]))
+    views = dict(got.views(0, buf))
+    assert list(views) == ["m.lora_A.weight", "m.lora_B.weight"]
+    assert torch.equal(views["m.lora_A.weight"], a) and torch.equal(views["m.lora_B.weight"], b)
+    for bad in ([["m.lora_A.weight", [2, 3]]], {"names": ["x"], "shapes": [[2, 3], [4]]},
+                {"names": [1], "shapes": [[10]]}, {"names": ["x"], "shapes": [[-1]]}, {"names": ["x"], "shapes": [[9]]}):
+        entry = dict(manifest["tensors"][0], parts=bad)
+        with pytest.raises(ValueError, match="field 'parts'"):
+            Layout([entry], manifest["buckets"], manifest["total_bytes"]).check()

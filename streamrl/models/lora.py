@@ -9,7 +9,9 @@ PEFT's ``autocast_adapter_dtype``).
 
 A weights version of a LoRA run carries only the adapters, under engine names
 ``<module>.lora_A.weight`` / ``<module>.lora_B.weight`` (the PEFT adapter file's names without
-``base_model.model.``), plus ``lora.scaling`` ([1] float32, ``alpha / r``). Engines merge them
+``base_model.model.``), plus ``lora.scaling`` ([1] float32, ``alpha / r``); the learner publishes
+them packed into one flat tensor per dtype (:mod:`streamrl.learner.lora_policy`), which the
+subscriber hands to engines as these per-tensor views again. Engines merge them
 into the base they hold with :func:`merged_weight`; the merged export uses the same function,
 so an engine's weights and the exported folder are bit-identical.
 
