@@ -13,6 +13,7 @@ from streamrl.config import load_config
 from streamrl.engines.adapter_merge import EngineWeights
 from streamrl.models.factory import build_model, save_model
 from streamrl.models.lora import SCALING_NAME, adapter_parameters, apply_lora, lora_scaling
+from streamrl.weights.layout import Layout, PackedSpec
 
 from test_checkpoint import REPO
 
@@ -50,6 +51,16 @@ def adapter_version(cfg, model, seed: int) -> list[tuple[str, torch.Tensor]]:
     return items + [(SCALING_NAME, torch.tensor([lora_scaling(cfg.model.lora)]))]
 
 
+def as_published(items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``items`` as the subscriber hands out an adapter version: views of one packed float32
+    tensor (:class:`~streamrl.weights.layout.PackedSpec`), laid out by the weights layout."""
+    spec = PackedSpec("lora.adapters.float32", torch.float32, [(n, tuple(t.shape)) for n, t in items])
+    layout = Layout.plan([spec], 1 << 30)
+    buf = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    buf[: layout.tensors[0]["nbytes"]].view(torch.float32).copy_(torch.cat([t.reshape(-1) for _, t in items]))
+    return layout.views(0, buf)
+
+
 def hf_merged(model, items) -> dict[str, torch.Tensor]:
     """The hf engines' weights after ``items``: {runtime name: merged tensor}."""
     weights = EngineWeights({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -80,6 +91,8 @@ def test_adapter_versions_reload_vllm_with_the_hf_merge(engine, tiny):
         items = adapter_version(cfg, model, seed=v)
         engine.load_weights(items)
         scores[v] = engine.score(seqs, start)
+        engine.load_weights(as_published(items))  # as a subscriber hands out the learner's packed version
+        assert engine.score(seqs, start) == scores[v]
         want = hf_scores(model, hf_merged(model, items), seqs, start)
         diff = max(abs(a - b) for r, w in zip(scores[v], want) for a, b in zip(r, w))
         assert diff < TOL, f"v{v}: max |vllm - hf merged| = {diff:.2e}"
