@@ -384,7 +384,7 @@ class Trainer:
         Every rank must iterate (each gather is a collective); only the consumer on rank 0
         keeps them, and only one at a time. With ``router_ema`` the routers are the EMA copies.
         """
-        if self.lora is not None:  # an adapter version: the adapters and their scaling
+        if self.lora is not None:  # an adapter version: its packed tensors, each as a list of pieces
             yield from self.lora.full_tensors()
             return
         ema = self.router.ema_state() if self.router.ema else {}
