@@ -4,13 +4,14 @@
     h2  rollout worker (keeps the run going)
 
 h1's port on the bridge goes down for ``LINK_DOWN_S`` (a pulled cable), then the link comes back
-degraded for ``DEGRADED_S``: 200 ms delay and 5 % loss each way (``tc netem``), or where the
-kernel has no netem, a 256 kbit/s ``tbf`` bottleneck. The run must carry on: the learner notes
+degraded for ``DEGRADED_S``: 200 ms delay and 5 % loss each way (``tc netem``, or where the
+kernel has no netem, the same through NFQUEUE and iptables: tests/chaos/slow_link.py). The run must carry on: the learner notes
 h1's worker gone (heartbeat) and trains on h2's; the worker's Redis calls wait named and it comes
 back once the link does. Then the run is stopped (Ctrl-C to the head) and its ledger checked.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,11 +26,12 @@ import pytest
 from tests.test_multinode import hosts, ip  # noqa: F401  (hosts: the namespaces fixture)
 
 from .conftest import FAST, check_ledger, fault_line, wait_for
+from .slow_link import degraded
 
 pytestmark = [pytest.mark.chaos, pytest.mark.multinode]
 LINK_DOWN_S = 20.0
-# 30 s rather than a minute: the chaos tier runs on 2 cores in CI, and 30 s is ~100 learner steps
-DEGRADED_S = float(os.environ.get("PARTITION_DEGRADED_S", "30"))
+DEGRADED_S = float(os.environ.get("PARTITION_DEGRADED_S", "60"))
+DELAY_MS, LOSS = 200, 0.05
 SHORT = ["deadlines.heartbeat_s=3"]  # the learner notes the lost worker within seconds
 
 
@@ -37,17 +39,22 @@ def _tc(ns: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["tc", "-n", ns, *args], capture_output=True, text=True, timeout=30)
 
 
-def _degrade(link: list[tuple[str, str]]) -> str:
-    """Degrade both ends of a link ((namespace, device) pairs); returns what was applied."""
-    netem = ["netem", "delay", "200ms", "loss", "5%"]
-    if _tc(link[0][0], "qdisc", "replace", "dev", link[0][1], "root", *netem).returncode == 0:
+@contextlib.contextmanager
+def _degraded(link: list[tuple[str, str]]):
+    """Both ends of a link ((namespace, device) pairs) delay DELAY_MS and drop LOSS of packets
+    within the block; yields what was applied."""
+    netem = ["netem", "delay", f"{DELAY_MS}ms", "loss", f"{LOSS:.0%}"]
+    if _tc(link[0][0], "qdisc", "replace", "dev", link[0][1], "root", *netem).returncode != 0:
+        # no sch_netem in this kernel: hold and drop h1's packets in both directions instead
+        with degraded(link[1][0], link[1][1], DELAY_MS, LOSS) as what:
+            yield what
+        return
+    try:
         _tc(link[1][0], "qdisc", "replace", "dev", link[1][1], "root", *netem)
-        return "netem delay 200ms loss 5%"
-    tbf = ["tbf", "rate", "256kbit", "burst", "16kb", "latency", "400ms"]  # this kernel has no sch_netem
-    for ns, dev in link:
-        r = _tc(ns, "qdisc", "replace", "dev", dev, "root", *tbf)
-        assert r.returncode == 0, r.stderr
-    return "tbf rate 256kbit (no netem in this kernel)"
+        yield f"netem delay {DELAY_MS}ms loss {LOSS:.0%} each way"
+    finally:
+        for ns, dev in link:
+            _tc(ns, "qdisc", "del", "dev", dev, "root")
 
 
 def _start(nodes, tmp_path: Path, repo: Path, python: str) -> list[subprocess.Popen]:
@@ -116,14 +123,12 @@ def test_partition_link_down_20s_then_degraded_the_run_carries_on(hosts, tmp_pat
                  f"the learner noting worker {cut} gone")
         detected = time.monotonic() - t0
         _hold(LINK_DOWN_S - detected, _steps(tmp_path), tmp_path, "the link-down")
-        ip("-n", switch, "link", "set", "p1", "up")
-        degraded = _degrade(link)
-        t_up = time.monotonic()
-        wait_for(lambda: f"worker {cut} is back" in _text(learner_log), 60, f"worker {cut} back after the link")
-        recovered = time.monotonic() - t0
-        _hold(DEGRADED_S - (time.monotonic() - t_up), _steps(tmp_path), tmp_path, "the degraded link")
-        for ns, dev in link:
-            _tc(ns, "qdisc", "del", "dev", dev, "root")
+        with _degraded(link) as how:
+            ip("-n", switch, "link", "set", "p1", "up")
+            t_up = time.monotonic()
+            wait_for(lambda: f"worker {cut} is back" in _text(learner_log), 60, f"worker {cut} back after the link")
+            recovered = time.monotonic() - t0
+            _hold(DEGRADED_S - (time.monotonic() - t_up), _steps(tmp_path), tmp_path, "the degraded link")
         healed = _steps(tmp_path)
         wait_for(lambda: _steps(tmp_path) >= healed + 5, 60, "5 learner steps after the link healed")
         procs[0].send_signal(signal.SIGINT)  # Ctrl-C to the head: a clean stop after a checkpoint
@@ -138,5 +143,56 @@ def test_partition_link_down_20s_then_degraded_the_run_carries_on(hosts, tmp_pat
     s = json.loads((tmp_path / "h0" / "summary.json").read_text())
     check_ledger(s)
     assert s["status"].startswith("stopped") and s["accounting"]["workers_left"] >= 1, s["status"]
-    fault_line("network partition (h1: link down 20 s, then degraded)", detected, recovered, s, degraded=degraded,
+    fault_line("network partition (h1: link down 20 s, then degraded)", detected, recovered, s, degraded=how,
                degraded_s=DEGRADED_S, steps=s["steps"])
+
+
+ECHO = """
+import socket, sys
+s = socket.create_server((sys.argv[1], 5599))
+print("listening", flush=True)
+while True:
+    c, _ = s.accept()
+    while d := c.recv(65536):
+        c.sendall(d)
+"""
+PING = """
+import socket, statistics, sys, time
+c = socket.create_connection((sys.argv[1], 5599), timeout=30)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(int(sys.argv[2])):
+    t = time.monotonic()
+    c.sendall(b"x" * 64)
+    got = 0
+    while got < 64:
+        got += len(c.recv(64))
+    rtts.append(time.monotonic() - t)
+print(statistics.median(rtts) * 1000)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_degraded_link_delays_each_way(hosts, python):  # noqa: F811
+    """The degraded phase is what it says: a round trip between h0 and h1 takes 2 x DELAY_MS
+    (median of 10 small echoes over TCP, which retransmits what the loss drops); < 50 ms before."""
+    switch = hosts[0][0].rsplit("h", 1)[0] + "sw"
+    server = subprocess.Popen(["ip", "netns", "exec", hosts[0][0], python, "-c", ECHO, hosts[0][1]],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+
+        def rtt_ms(n: int) -> float:
+            out = subprocess.run(["ip", "netns", "exec", hosts[1][0], python, "-c", PING, hosts[0][1], str(n)],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            return float(out.stdout)
+
+        healthy_ms = rtt_ms(10)
+        with _degraded([(switch, "p1"), (hosts[1][0], hosts[1][2])]):
+            degraded_ms = rtt_ms(10)
+    finally:
+        server.kill()
+        server.wait()
+    assert healthy_ms < 50, healthy_ms
+    assert 2 * DELAY_MS <= degraded_ms < 2 * DELAY_MS + 150, (healthy_ms, degraded_ms)
