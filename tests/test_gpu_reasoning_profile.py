@@ -1,4 +1,4 @@
-"""tools/gpu/reasoning_profile.py (issue 39), dry run on CPU: the same code as the GPU call on a tiny
+"""tools/gpu/reasoning_profile.py, dry run on CPU: the same code as the GPU call on a tiny
 SmolLM2-shaped folder, and the loop breakdown of a metrics.jsonl."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Where a learner step of configs/gpu-reasoning.yaml goes (issue 39: ~11 s a step on the H200).
+"""Where a learner step of configs/gpu-reasoning.yaml goes (~11 s a step in the race on the H200).
 
 Two in-process measurements of the recipe's shape, each timed with device syncs, then one JSON line:
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 39: where a learner step of configs/gpu-reasoning.yaml goes (~11 s a step in the race on the H200).
+# Where a learner step of configs/gpu-reasoning.yaml goes (~11 s a step in the race on the H200).
 # One device call (< 5 min, fresh machine, cold inductor cache), carry [.whl, .redis] as the other scripts:
 #   bash tools/gpu/reasoning_profile.sh
 # 1. tools/gpu/reasoning_profile.py on a random SmolLM2-shaped folder (tools/gpu/smol_shape/make.py), fp32 and
