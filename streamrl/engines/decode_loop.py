@@ -1,4 +1,5 @@
-"""One ``FastHFEngine.generate`` call: the request queue, refills, harvests, preemptions, versions.
+"""One ``FastHFEngine.generate`` (or ``generate_stream``) call: the request queue, refills, harvests,
+preemptions, versions.
 
 The engine (:mod:`streamrl.engines.hf_fast`) owns the model, the KV cache, the device-side slot
 state (``tok``/``pos``/``gen``/``done``/``max_new`` ``[B]``, ``out_tok``/``out_lp`` ``[B, S+1]``)
@@ -16,11 +17,21 @@ and the decode step (its public methods ``prefill``, ``extend``, ``attended_span
 With a paged cache a slot whose next position opens a block takes one from the pool; when the
 pool is empty, kept sessions are evicted first, then the least advanced sequence is preempted
 (its blocks freed, its request queued again from the start).
+
+A fixed request list (``generate``) and an open-ended stream (``generate_stream``) are the same
+loop: with a ``refill`` callback, every sync that leaves more free slots than queued requests asks
+it for more (None: no more ever, so the loop drains and returns), and with ``on_finished`` every
+harvested sequence is handed over at once instead of being collected into a :class:`Generation`.
+A request's prompt and cap are dropped when it is harvested, so a stream holds only what is in
+flight.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable, Optional
+
+import torch
 
 from streamrl.engines.base import BetweenSteps, Generation
 from streamrl.engines.host_io import to_device
@@ -29,20 +40,37 @@ from streamrl.engines.slot_table import SlotTable, VersionLog
 from streamrl.engines.stop_strings import StopStrings
 
 
-class DecodeLoop:
-    """Generate one response per prompt of ``prompts`` on ``engine`` (see ``FastHFEngine.generate``).
+Refill = Callable[[int], Optional[tuple[list[list[int]], list[int]]]]
+"""``refill(free) -> (prompts, caps) | None``: up to ``free`` more requests (validated by the engine),
+or None when no more will ever come. Request ``j`` is the ``j``-th prompt handed in, counted from 0."""
 
-    caps: response cap per prompt; stop: stop strings or None; sessions: one session id per prompt
-    or None. Inputs are validated by the engine.
+OnFinished = Callable[[int, list[int], list[float], Optional[list[int]], Optional[torch.Tensor]], None]
+"""``on_finished(j, tokens, logprobs, versions, routed_experts)`` of request ``j``, as soon as it is
+harvested (the fields of one row of :class:`Generation`; ``versions``/``routed_experts`` may be None)."""
+
+
+class DecodeLoop:
+    """Generate one response per request on ``engine`` (see ``FastHFEngine.generate`` and ``generate_stream``).
+
+    prompts, caps: the requests known up front and their response caps; stop: stop strings or
+    None; sessions: one session id per prompt or None (fixed lists only); refill: more requests
+    while the loop runs (None: the list is fixed); on_finished: where harvested sequences go (None:
+    collected and returned by :meth:`run`). Inputs are validated by the engine.
     """
 
     def __init__(self, engine, prompts: list[list[int]], caps: list[int], greedy: bool,
                  between_steps: BetweenSteps | None, version: int, stop: list[str] | None,
-                 sessions: list | None):
-        self.eng, self.prompts, self.caps, self.greedy = engine, prompts, caps, greedy
-        self.between_steps, self.sessions = between_steps, sessions
+                 sessions: list | None, refill: Refill | None = None, on_finished: OnFinished | None = None):
+        assert sessions is None or refill is None, "kept sessions need the whole request list up front"
+        self.eng, self.greedy = engine, greedy
+        self.between_steps, self.sessions, self.refill = between_steps, sessions, refill
+        self.on_finished = on_finished or self._collect
         self.stops = StopStrings(stop, engine.tokenizer) if stop else None
-        self.queue = deque(range(len(prompts)))
+        self.prompts: dict[int, list[int]] = {}  # requests not yet harvested
+        self.caps: dict[int, int] = {}
+        self.requests = 0                        # requests handed in so far
+        self.queue: deque[int] = deque()
+        self._add(prompts, caps)
         self.table = SlotTable(engine.batch)
         self.versions = VersionLog(version) if between_steps is not None else None
         n = len(prompts)
@@ -52,12 +80,22 @@ class DecodeLoop:
         self.out_v: list = [None] * n
         self.cached = [0] * n  # prompt tokens a kept session supplied
 
+    def _add(self, prompts: list[list[int]], caps: list[int]) -> None:
+        for q, c in zip(prompts, caps):
+            self.prompts[self.requests], self.caps[self.requests] = q, c
+            self.queue.append(self.requests)
+            self.requests += 1
+
+    def _collect(self, j: int, tokens, logprobs, versions, routed) -> None:
+        """The fixed list's ``on_finished``: request ``j``'s row of the returned :class:`Generation`."""
+        self.out_t[j], self.out_l[j], self.out_v[j], self.out_r[j] = tokens, logprobs, versions, routed
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> Generation:
         eng, t = self.eng, self.table
         self._poll(0)
-        self._fill(list(range(eng.batch)))
-        while t.held:
+        self._admit()
+        while t.held or self.refill is not None:
             if self._grow():
                 self._poll(t.steps + 1)
                 eng.decode_step(eng.attended_span(t.top_position() + 1), self.greedy)
@@ -88,10 +126,21 @@ class DecodeLoop:
         finished = owned[done[owned]]
         if finished.size:
             self._harvest(finished.tolist())
-        if self.queue:  # slots freed now, or earlier but then short of KV blocks
-            free = t.free_slots()
-            if free:
-                self._fill(free)
+        self._admit()
+
+    def _admit(self) -> None:
+        """Fill free slots from the queue, first asking ``refill`` for what the queue lacks."""
+        if not self.queue and self.refill is None:
+            return
+        free = self.table.free_slots()  # freed now, or earlier but then short of KV blocks
+        if self.refill is not None and len(free) > len(self.queue):
+            more = self.refill(len(free) - len(self.queue))
+            if more is None:
+                self.refill = None  # drain: the loop ends once the held slots finish
+            else:
+                self._add(*more)
+        if self.queue and free:
+            self._fill(free)
 
     # ------------------------------------------------------------------ slots in and out
     def _wanted(self) -> list:
@@ -141,10 +190,11 @@ class DecodeLoop:
         if resumed:
             eng.extend([s for _, s, _ in resumed], [prompts[j] for j, _, _ in resumed],
                         [st for _, _, st in resumed], self.greedy)
-        for j, _ in fresh:
-            self.cached[j] = 0
-        for j, _, st in resumed:
-            self.cached[j] = st
+        if self.sessions is not None:
+            for j, _ in fresh:
+                self.cached[j] = 0
+            for j, _, st in resumed:
+                self.cached[j] = st
         self.table.admit([s for _, s in chosen], [j for j, _ in chosen], [len(prompts[j]) for j, _ in chosen],
                          [self.caps[j] for j, _ in chosen])
 
@@ -158,14 +208,17 @@ class DecodeLoop:
         hist = eng.route_hist[idx].cpu() if eng.route_hist is not None else None
         for r, s in enumerate(slots):
             j = int(t.owner[s])
-            self.out_t[j], self.out_l[j] = toks[r, : n[r]].tolist(), lps[r, : n[r]].tolist()
+            prompt = self.prompts.pop(j)
+            del self.caps[j]
+            tokens = toks[r, : n[r]].tolist()
+            routed = None
             if hist is not None:  # position P-1+i predicted response token i
-                p0 = len(self.prompts[j]) - 1
-                self.out_r[j] = hist[r, p0: p0 + n[r]].clone()
-            if self.versions is not None:
-                self.out_v[j] = self.versions.tokens(int(t.admit_step[s]), n[r])
+                p0 = len(prompt) - 1
+                routed = hist[r, p0: p0 + n[r]].clone()
+            versions = self.versions.tokens(int(t.admit_step[s]), n[r]) if self.versions is not None else None
             if self.sessions is not None:  # the last drawn token was never fed: its K/V is not there
-                eng.sessions.keep(self.sessions[j], self.prompts[j] + self.out_t[j][:-1], s)
+                eng.sessions.keep(self.sessions[j], prompt + tokens[:-1], s)
+            self.on_finished(j, tokens, lps[r, : n[r]].tolist(), versions, routed)
         t.free(slots)
         if self.sessions is None:
             eng.cache.release(slots)

@@ -27,6 +27,9 @@ with its own loop:
   harvests finished slots and prefills new prompts into them.
 * **Shared prompts**: a refill runs each distinct prompt through the model once and copies its
   K/V rows into the slots of the other samples of its group (``share_prompts``).
+* **Streaming**: :meth:`generate_stream` asks a callback for new prompts whenever slots are free
+  and hands each finished row over at once, so a long-tailed workload keeps every slot busy
+  instead of waiting for a batch's longest sample (:meth:`generate` is its fixed-list case).
 * **Per-request caps and stop strings**: ``generate(..., max_tokens=[...], stop=[...])``; caps
   live on the device per slot, stop strings are searched on the host at each sync (only the
   tokens decoded since the last one), and a cut row's slot is refilled like an EOS row's.
@@ -55,13 +58,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from streamrl.engines.adapter_merge import EngineWeights
 from streamrl.engines.base import BetweenSteps, Generation, teacher_forced_logprobs
-from streamrl.engines.decode_loop import DecodeLoop
+from streamrl.engines.decode_loop import DecodeLoop, OnFinished
 from streamrl.engines.dense_experts import DENSE
 from streamrl.engines.hf_fast_config import FLEX_MIN_LEN, FastHFConfig
 from streamrl.engines.host_io import to_device
@@ -485,28 +488,83 @@ class FastHFEngine:
             raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
         if max_tokens is not None and (len(max_tokens) != len(prompts) or min(max_tokens, default=1) < 1):
             raise ValueError(f"max_tokens: need one cap >= 1 per prompt ({len(prompts)}), got {max_tokens!r}")
-        if stop and (self.tokenizer is None or not all(isinstance(x, str) and x for x in stop)):
-            raise ValueError(f"stop = {stop!r}: needs non-empty strings and an engine built with a tokenizer")
+        self._check_stop(stop)
         if sessions is not None:
             if len(sessions) != len(prompts) or len(set(sessions)) != len(sessions) or None in sessions:
                 raise ValueError(f"sessions: need one distinct id per prompt ({len(prompts)}), got {sessions!r}")
             if self.routers:
                 raise ValueError("sessions: kept K/V is not supported with record_routing (multi-turn has no routing)")
         caps = [min(max_new_tokens, max_tokens[j]) if max_tokens else max_new_tokens for j in range(len(prompts))]
+        self._check_requests(prompts, caps, max_new_tokens, temperature)
+        return self._run(DecodeLoop(self, prompts, caps, temperature == 0, between_steps, version, stop, sessions),
+                         temperature)
+
+    @torch.inference_mode()
+    def generate_stream(self, refill: Callable[[int], list[list[int]] | None], on_finished: OnFinished,
+                        max_new_tokens: int, temperature: float = 1.0, between_steps: BetweenSteps | None = None,
+                        version: int = 0, max_tokens: Callable[[int], int] | None = None,
+                        stop: list[str] | None = None) -> int:
+        """Open-ended :meth:`generate`: keep every slot busy for as long as ``refill`` has prompts.
+
+        At each sync (every ``sync_every`` steps) that leaves slots free, ``refill(free)`` is asked for
+        at most ``free`` more prompts: ``[]`` (nothing now: asked again at the next sync, at once when
+        no slot is busy) or None (no more ever: the held slots finish and the call returns). Request
+        ``j`` is the ``j``-th prompt ``refill`` returned; as soon as its row finishes,
+        ``on_finished(j, tokens, logprobs, versions, routed_experts)`` gets it (one row of
+        :class:`~streamrl.engines.base.Generation`: ``versions`` with ``between_steps``, else None;
+        ``routed_experts`` with routing recording, else None). ``max_tokens(j)`` (optional): a smaller
+        cap for request ``j``. The rest as in :meth:`generate`, whose fixed list is this loop's special
+        case. Returns the number of requests served.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
+        self._check_requests([], [], max_new_tokens, temperature)  # the temperature, before any prompt
+        self._check_stop(stop)
+        served = 0
+
+        def more(free: int) -> tuple[list[list[int]], list[int]] | None:
+            nonlocal served
+            prompts = refill(free)
+            if prompts is None:
+                return None
+            if len(prompts) > free:
+                raise ValueError(f"refill({free}) returned {len(prompts)} prompts: at most {free}")
+            caps = [min(max_new_tokens, max_tokens(served + i)) if max_tokens else max_new_tokens
+                    for i in range(len(prompts))]
+            if min(caps, default=1) < 1:
+                raise ValueError(f"max_tokens: caps of requests {served}.. must be >= 1, got {caps!r}")
+            self._check_requests(prompts, caps, max_new_tokens, temperature, first=served)
+            served += len(prompts)
+            return prompts, caps
+
+        loop = DecodeLoop(self, [], [], temperature == 0, between_steps, version, stop, None,
+                          refill=more, on_finished=on_finished)
+        self._run(loop, temperature)
+        return served
+
+    def _check_stop(self, stop: list[str] | None) -> None:
+        if stop and (self.tokenizer is None or not all(isinstance(x, str) and x for x in stop)):
+            raise ValueError(f"stop = {stop!r}: needs non-empty strings and an engine built with a tokenizer")
+
+    def _check_requests(self, prompts: list[list[int]], caps: list[int], max_new_tokens: int, temperature: float,
+                        first: int = 0) -> None:
+        """Raise ``ValueError`` naming the request (``first`` + its index) that cannot run."""
         if temperature < 0:
             raise ValueError(f"temperature = {temperature}: must be >= 0 (0 = greedy)")
         for i, q in enumerate(prompts):
             if not q or len(q) + max_new_tokens > self.max_len:
-                raise ValueError(f"prompts[{i}]: length {len(q)} + max_new_tokens {max_new_tokens} "
+                raise ValueError(f"prompts[{first + i}]: length {len(q)} + max_new_tokens {max_new_tokens} "
                                  f"must be in [1, max_seq_len={self.max_len}]")
             if self.cache.blocks_for(len(q) + caps[i]) > self.cache.num_blocks - 1:
-                raise ValueError(f"prompts[{i}]: length {len(q)} + cap {caps[i]} needs more KV blocks than "
+                raise ValueError(f"prompts[{first + i}]: length {len(q)} + cap {caps[i]} needs more KV blocks than "
                                  f"the pool holds ({self.cache.num_blocks - 1} of {self.cache.block_size})")
+
+    def _run(self, loop: DecodeLoop, temperature: float) -> Generation:
         greedy = temperature == 0
         self.temp.fill_(1.0 if greedy else float(temperature))
         self.done.fill_(True)
         with self._impl():
-            return DecodeLoop(self, prompts, caps, greedy, between_steps, version, stop, sessions).run()
+            return loop.run()
 
     def release(self, sessions: list) -> None:
         """Free the kept K/V of ``sessions`` (an episode ended); unknown ids are ignored."""
