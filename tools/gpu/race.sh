@@ -9,7 +9,7 @@
 # takes three calls (this script looks in the folder and in /tmp/stage, where earlier calls left it):
 #   .smolA/.smolB: the two halves of the SmolLM2 GGUF (see tools/gpu/smol_stage.sh);
 #   .whl + .redis: ../shared/tools/device-wheels.sh gguf==0.19.0;
-#   .whlrg: reasoning-gym, math-verify and their dependencies (py3.12 wheels; pycosat built locally);
+#   .whlrg: reasoning-gym, math-verify and their dependencies (py3.12 wheels; pycosat's sdist, built there);
 #   .whlpeer: trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 (the peer's own target).
 #   call 1, carry [.smolA, .redis, .whlpeer]: STAGE=1 bash tools/gpu/race.sh
 #   call 2, carry [.smolB, .whl]:             STAGE=1 bash tools/gpu/race.sh   (also prepares the model)
@@ -23,6 +23,11 @@ done
 source tools/gpu/env.sh || exit 1
 if [[ -d .whlrg ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlrg/*.whl || exit 1
+  # pycosat (reasoning-gym imports it) ships no py3.12 wheel: build it here from its sdist (setuptools is in .whlrg)
+  if compgen -G ".whlrg/pycosat-*.tar.gz" >/dev/null && ! python3 -c "import pycosat" 2>/dev/null; then
+    python3 -m pip wheel -q --no-index --no-deps --no-build-isolation -w /tmp/pycosat .whlrg/pycosat-*.tar.gz &&
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/pycosat/*.whl || exit 1
+  fi
 fi
 if [[ -d .whlpeer && ! -d /tmp/peer/trl ]]; then  # the peer's packages in their own target, on its path only
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer .whlpeer/*.whl || exit 1
