@@ -279,6 +279,9 @@ class RolloutConfig:
     """Load newer weights between decode steps of a batch (per-token versions); hf_fast, vllm only."""
     token_rewards: bool = False
     """Send per-token rewards (trajectory key token_rewards) from tasks' character credit; see learner.advantage."""
+    streaming: bool = False
+    """hf_fast, single-turn: one endless generation; a finished sample's slot takes a new group's sample, a finished
+    group is scored and sent prompts_per_batch groups at a time (implies per-token versions via in-flight updates)."""
 
     def validate(self, p: str) -> None:
         _check(self.engine in ("hf", "hf_fast", "vllm"), f"{p}.engine", self.engine,
@@ -317,6 +320,8 @@ class RolloutConfig:
         _check(self.parity_probes >= 0, f"{p}.parity_probes", self.parity_probes, "must be >= 0")
         _check(not (self.inflight_updates and self.engine == "hf"), f"{p}.inflight_updates", self.inflight_updates,
                "in-flight weight updates need rollout.engine = 'hf_fast' or 'vllm' (hf uses model.generate)")
+        _check(not self.streaming or self.engine == "hf_fast", f"{p}.streaming", self.streaming,
+               "needs rollout.engine = 'hf_fast' (the engine that refills slots from a stream)")
         if self.rewards != "task":
             try:
                 parse_reward_spec(self.rewards)
