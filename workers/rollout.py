@@ -13,6 +13,13 @@ that sampled it (``policy_version`` per token). The learner's buffer measures a 
 lag by its *oldest* token version, so a mixed-version trajectory counts as old as its first
 tokens. KV computed before a switch is kept (see the engines).
 
+With ``rollout.streaming`` (hf_fast) the worker runs one endless generation instead of batches
+(:class:`streamrl.rollout.stream.StreamingRoller`): at each sync of the decode loop it reserves as
+many prompt groups as there are free slots for (non-blocking), the engine's in-flight hook keeps
+the weights current (per-token versions), and every ``prompts_per_batch`` finished groups go out
+as one message. On stop the stream takes no new groups and drains; reservations it could not
+deliver are refunded.
+
 :mod:`streamrl.rollout` holds the Redis-free part (prompts -> engine -> rewards -> packed
 trajectories): the worker builds its roller once from the config and drives it through
 :class:`streamrl.rollout.base.Roller`.
@@ -193,7 +200,8 @@ class RolloutWorker:
         """The engine's per-step hook: take or give back the learner's threads (core borrowing),
         then the in-flight update check if that is on."""
         self.borrower.apply()
-        return self.between_steps() if self.cfg.rollout.inflight_updates else None
+        rc = self.cfg.rollout
+        return self.between_steps() if rc.inflight_updates or rc.streaming else None
 
     def _with_reference(self, target) -> list:
         return [self.reference, target] if self.reference is not None else [target]
@@ -241,7 +249,9 @@ class RolloutWorker:
         beating = threading.Event()
         threading.Thread(target=self._heartbeat_loop, args=(beating,), name="heartbeat", daemon=True).start()
         try:
-            while not self.stopping and self.coord.stop_reason() is None:
+            if rc.streaming:
+                self._stream(sender, totals)
+            while not rc.streaming and not self.stopping and self.coord.stop_reason() is None:
                 if not self._admitted(sender, totals):
                     continue
                 self.heartbeat(GENERATING, liveness.LOADING_WEIGHTS)
@@ -259,48 +269,52 @@ class RolloutWorker:
         return 0
 
     def _admitted(self, sender: TrajectorySender, totals: dict) -> bool:
-        """One admission attempt: True once a batch's prompt groups are reserved. Refused: service
-        the sender (acks, resends), wait a moment; refused for ``deadlines.admission_s`` in a row
-        raises :class:`DeadlineExceeded` naming the learner's version (it made no progress)."""
+        """One admission attempt: True once a batch's prompt groups are reserved. Refused: see :meth:`_refused`."""
         rc, lc = self.cfg.rollout, self.cfg.learner
         if self.coord.try_reserve(rc.prompts_per_batch, lc.max_staleness, lc.groups_per_step):
             self._refused_since = None
             return True
+        self._refused(sender, totals, rc.prompts_per_batch)
+        return False
+
+    def _refused(self, sender: TrajectorySender, totals: dict, groups: int) -> None:
+        """Admission refused with nothing in flight: service the sender (acks, resends), wait a
+        moment; refused for ``deadlines.admission_s`` in a row raises :class:`DeadlineExceeded`
+        naming the learner's version (it made no progress)."""
         now = time.monotonic()
         if self._refused_since is None:
             self._refused_since = now
         if self.state != WAITING_ADMISSION:
             self.heartbeat(WAITING_ADMISSION, liveness.WAITING_ADMISSION)
         if now - self._refused_since > self.cfg.deadlines.admission_s:
-            raise DeadlineExceeded(self.name, f"admission of {rc.prompts_per_batch} prompt groups (the learner "
+            raise DeadlineExceeded(self.name, f"admission of {groups} prompt groups (the learner "
                                    f"stayed at version {self.coord.current_version()})", now - self._refused_since,
                                    f"deadlines.admission_s = {self.cfg.deadlines.admission_s:g} s")
         sender.service()  # acks; resends what a restarted learner lost
         time.sleep(0.02)
         totals["wait_s"] += 0.02
-        return False
 
-    def _send(self, sender: TrajectorySender, td) -> None:
-        """Send one batch, waiting out backpressure (credits, retention) up to ``deadlines.deliver_s``."""
+    def _send(self, sender: TrajectorySender, td) -> bool:
+        """Send one batch, waiting out backpressure (credits, retention) up to ``deadlines.deliver_s``;
+        False when the worker stopped while blocked (the batch was not sent)."""
         t0 = time.monotonic()
         while not sender.send(td, timeout_s=1.0):  # blocked by backpressure
             if self.coord.stop_reason() is not None or self.stopping:
-                return
+                return False
             waited = time.monotonic() - t0
             if waited > self.cfg.deadlines.deliver_s:
                 raise DeadlineExceeded(self.name, "the learner to accept a batch (send credits or retention full)",
                                        waited, f"deadlines.deliver_s = {self.cfg.deadlines.deliver_s:g} s")
             self.heartbeat("backpressure", liveness.SENDING)
+        return True
 
     def _one_batch(self, sender: TrajectorySender, load_s: float, totals: dict) -> None:
         """Generate one batch with the loaded version, send it (waiting out backpressure) and
         write its figures; ``totals`` accumulates the worker's counters."""
         t_gen = time.perf_counter()
         self.heartbeat(GENERATING, liveness.GENERATING)
-        hook = self._step_hook if self.borrower is not None else (
-            self.between_steps if self.cfg.rollout.inflight_updates else None)
         try:
-            td = self.roller.rollout_batch(self.subscriber.loaded_version, hook)
+            td = self.roller.rollout_batch(self.subscriber.loaded_version, self._hook())
         finally:
             if self.borrower is not None:
                 self.borrower.end_batch()
@@ -308,6 +322,73 @@ class RolloutWorker:
         if self.roles is not None:
             td = self.roles(td)
         self._send(sender, td)
+        self._record(sender, td, gen_s, load_s, totals)
+
+    def _hook(self):
+        """The engine's per-step hook: core borrowing and/or in-flight updates (streaming implies them)."""
+        if self.borrower is not None:
+            return self._step_hook
+        rc = self.cfg.rollout
+        return self.between_steps if rc.inflight_updates or rc.streaming else None
+
+    def _stream(self, sender: TrajectorySender, totals: dict) -> None:
+        """Streaming mode: one endless generation until stop (stop key or signal), then drain.
+        Groups are reserved as slots free (:meth:`_reserve`); reservations never delivered are
+        refunded on the way out."""
+        while self.subscriber.loaded_version < 0:  # nothing to sample with before the first version
+            if self.stopping or self.coord.stop_reason() is not None:
+                return
+            self.sync_weights()
+            if self.subscriber.loaded_version < 0:
+                self._refused(sender, totals, self.cfg.rollout.prompts_per_batch)
+        self._refused_since = None
+        flow = {"reserved": 0, "sent": 0, "t": time.perf_counter()}
+
+        def send(td) -> None:
+            groups = int(td["reward"].numel()) // self.cfg.rollout.group_size
+            if self.roles is not None:
+                td = self.roles(td)
+            if self._send(sender, td):
+                flow["sent"] += groups
+            now = time.perf_counter()
+            self._record(sender, td, now - flow["t"], self.subscriber.timings.get("weights/load_s", 0.0), totals)
+            flow["t"] = now
+            # a message out is the stream's batch boundary: the working phase starts over, so stall
+            # detection (deadlines.batch_s) bounds the time between messages, not the whole stream
+            self.state, self.phase, self.phase_since = GENERATING, liveness.GENERATING, time.time()
+            self._send_heartbeat()
+
+        stop = lambda: self.stopping or self.coord.stop_reason() is not None  # noqa: E731
+        self.heartbeat(GENERATING, liveness.GENERATING)
+        try:
+            self.roller.run(lambda k: self._reserve(k, sender, totals, flow), send,
+                            self.subscriber.loaded_version, self._hook(), stop)
+        finally:
+            if self.borrower is not None:
+                self.borrower.end_batch()
+            self.coord.refund(flow["reserved"] - flow["sent"])
+
+    def _reserve(self, k: int, sender: TrajectorySender, totals: dict, flow: dict) -> int:
+        """Streaming admission: reserve up to ``k`` groups now (halving ``k`` until the staleness
+        budget takes it); refused with nothing in flight: :meth:`_refused` (wait, deadline)."""
+        lc = self.cfg.learner
+        n = k
+        while n >= 1:
+            if self.coord.try_reserve(n, lc.max_staleness, lc.groups_per_step):
+                self._refused_since = None
+                flow["reserved"] += n
+                if self.state != GENERATING:
+                    self.heartbeat(GENERATING, liveness.GENERATING)
+                return n
+            n //= 2
+        if self.roller.in_flight:  # slots still busy: ask again at the next sync
+            self._refused_since = None
+        else:
+            self._refused(sender, totals, k)
+        return 0
+
+    def _record(self, sender: TrajectorySender, td, gen_s: float, load_s: float, totals: dict) -> None:
+        """Count a sent message in ``totals`` and the heartbeat's progress, and write its figures."""
         n_tok = int(td["response_lens"].sum())
         totals["tokens"] += n_tok
         totals["trajectories"] += int(td["reward"].numel())

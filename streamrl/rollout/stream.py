@@ -87,7 +87,10 @@ class StreamingRoller:
         self._tokens = 0
 
         def refill(free: int) -> list[list[int]] | None:
-            return None if stop() else self._admit(reserve, free // rc.group_size)
+            k = free // rc.group_size
+            if k < 1:  # not a whole group's slots yet (the drain, too, waits for them: all free up)
+                return []
+            return None if stop() else self._admit(reserve, k)
 
         self.engine.generate_stream(refill, self._finished, rc.max_new_tokens, rc.temperature,
                                     between_steps=between_steps, version=version, max_tokens=max_tokens)
@@ -98,8 +101,6 @@ class StreamingRoller:
 
     def _admit(self, reserve: Callable[[int], int], k: int) -> list[list[int]]:
         """The prompts of the groups ``reserve`` grants (at most ``k``), sample by sample."""
-        if k < 1:
-            return []
         granted = reserve(k)
         if not 0 <= granted <= k:
             raise ValueError(f"reserve({k}) granted {granted} groups: must be in [0, {k}]")
