@@ -175,3 +175,15 @@ def test_streaming_config_needs_hf_fast(repo, monkeypatch):
     monkeypatch.chdir(repo)
     with pytest.raises(ConfigError, match="rollout.streaming"):
         load_config("configs/tiny.yaml", ["rollout.streaming=true", "rollout.engine=hf"])
+
+
+def test_bench_streaming_compares_both_paths_on_the_same_tokens(tiny):
+    """``streamrl-bench rollout --streaming``'s comparison: same requests and caps on both paths,
+    the stream in fewer decode steps with fuller slots."""
+    from streamrl.bench.rollout import bench_streaming
+
+    prompts = [p for p in _prompts(8, seed=5) for _ in range(4)]
+    row = bench_streaming(_engine(tiny, 8), prompts, group_size=4, max_new=MAX_NEW, temperature=1.0, repeats=1)
+    assert row["requests"] == 32 and row["tokens"] > 0 and row["same_tokens"]
+    assert row["stream_decode_steps"] < row["batch_decode_steps"]
+    assert row["stream_slot_occupancy"] > row["batch_slot_occupancy"] and row["ratio_stream_vs_batch"] > 0

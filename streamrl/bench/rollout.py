@@ -11,6 +11,12 @@ prefix-cache hits favour neither. ``ratio_vs_bare_engine`` = median per-batch to
 the loop / that of the bare engine (the target is >= 0.9); ``ratio_of_totals`` uses sums.
 ``--eval N`` adds greedy exact-answer accuracy on N held-out arithmetic problems.
 
+``--streaming`` (hf_fast) adds batch vs stream on the same requests with long-tailed lengths
+(per-request caps: 15 % run to ``max_new_tokens``, the rest log-normal around 15 % of it, EOS
+off, like the long-tailed reasoning answers of the GPU recipe): ``generate`` batch after batch,
+each as long as its longest sample, against one ``generate_stream`` that refills whole groups as
+slots free (:func:`bench_streaming`); ``ratio_stream_vs_batch`` of tokens/s, decode steps of each.
+
 With ``--engines hf_fast`` the row also compares shared-prompt groups (each prompt prefilled
 once, its K/V forked for the group) with plain ``model.generate()`` on the same prompts and
 lengths (:func:`streamrl.bench.hf_fast.bench_groups`): ``ratio_vs_plain_generate`` and
@@ -20,13 +26,16 @@ Examples:
     streamrl-bench rollout --json
     streamrl-bench rollout --engines hf_fast --max-new-tokens 256 --group-size 8 --json
     streamrl-bench rollout --engines vllm --models smol-moe --smol-path models/smol-moe --eval 100
+    streamrl-bench rollout --engines hf_fast --streaming --max-new-tokens 128 --json
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -95,6 +104,66 @@ def greedy_accuracy(engine, roller, problems: list[Problem], max_new_tokens: int
                 tokens.append(out[0, len(p):].tolist())
     texts = response_texts(roller.tok, tokens)
     return sum(exact_answer(p, t) for p, t in zip(problems, texts)) / max(len(problems), 1)
+
+
+def long_tail_caps(n: int, max_new: int, seed: int = 0) -> list[int]:
+    """``n`` response caps shaped like long-tailed reasoning lengths: 15 % at ``max_new``, the rest
+    log-normal with a median of 15 % of it."""
+    rng = random.Random(seed)
+    return [max_new if rng.random() < 0.15 else
+            max(1, min(max_new, round(0.15 * max_new * math.exp(rng.gauss(0.0, 0.6))))) for _ in range(n)]
+
+
+def bench_streaming(engine, prompts: list[list[int]], group_size: int, max_new: int, temperature: float,
+                    repeats: int) -> dict:
+    """Batch vs stream (hf_fast) on the same ``prompts`` (``group_size`` copies of each in a row) with
+    :func:`long_tail_caps`: ``generate`` on ``engine.batch`` requests at a time, against one
+    ``generate_stream`` fed whole groups as their slots free. Alternated ``repeats`` times (order
+    swapped each time); the medians of tokens/s."""
+    caps = long_tail_caps(len(prompts), max_new)
+    b = engine.batch
+
+    def batch() -> tuple[int, float, int]:
+        t, s0, n = time.perf_counter(), engine.decode_steps, 0
+        for i in range(0, len(prompts), b):
+            n += sum(len(x) for x in engine.generate(prompts[i: i + b], max_new, temperature,
+                                                     max_tokens=caps[i: i + b]).tokens)
+        return n, time.perf_counter() - t, engine.decode_steps - s0
+
+    def stream() -> tuple[int, float, int]:
+        t, s0, nxt, got = time.perf_counter(), engine.decode_steps, [0], [0]
+
+        def refill(free: int) -> list[list[int]] | None:
+            if nxt[0] >= len(prompts):
+                return None
+            take = min(free // group_size * group_size, len(prompts) - nxt[0])
+            nxt[0] += take
+            return prompts[nxt[0] - take: nxt[0]]
+
+        def on_finished(j, tokens, *_):
+            got[0] += len(tokens)
+
+        engine.generate_stream(refill, on_finished, max_new, temperature, max_tokens=caps.__getitem__)
+        return got[0], time.perf_counter() - t, engine.decode_steps - s0
+
+    eos, engine.eos_id = engine.eos_id, -1  # the caps alone set the lengths
+    runs: dict[str, list] = {"batch": [], "stream": []}
+    try:
+        for r in range(repeats):
+            for name, fn in ((("batch", batch), ("stream", stream)) if r % 2 == 0 else
+                             (("stream", stream), ("batch", batch))):
+                runs[name].append(fn())
+    finally:
+        engine.eos_id = eos
+    tps = {k: statistics.median(n / max(t, 1e-9) for n, t, _ in v) for k, v in runs.items()}
+    return {"requests": len(prompts), "slots": b, "max_new_tokens": max_new,
+            "tokens": runs["batch"][0][0], "mean_cap": round(sum(caps) / len(caps), 1),
+            "same_tokens": all(n == sum(caps) for v in runs.values() for n, _, _ in v),  # the caps set every length
+            "batch_tokens_per_s": round(tps["batch"], 1), "stream_tokens_per_s": round(tps["stream"], 1),
+            "ratio_stream_vs_batch": round(tps["stream"] / max(tps["batch"], 1e-9), 3),
+            "batch_decode_steps": runs["batch"][0][2], "stream_decode_steps": runs["stream"][0][2],
+            "batch_slot_occupancy": round(runs["batch"][0][0] / max(runs["batch"][0][2] * b, 1), 3),
+            "stream_slot_occupancy": round(runs["stream"][0][0] / max(runs["stream"][0][2] * b, 1), 3)}
 
 
 def pair_config(engine_name: str, model: str, args) -> Config:
@@ -174,9 +243,12 @@ def bench_pair(engine_name: str, model: str, args) -> dict:
     roller = BatchRoller(cfg, engine, tok, iter(lambda: feed.pop(0), None), run_reward(cfg), worker_id=0)
     drain = _Drain()
     sender = TrajectorySender(drain.endpoint, 0, hwm=64)
-    groups = acc = None
+    groups = acc = stream = None
     try:
         bare_runs, loop_runs = alternate_paths(engine, roller, feed, sender, batches, cfg)
+        if engine_name == "hf_fast" and args.streaming:  # long-tailed lengths: batch path vs stream
+            stream = bench_streaming(engine, [p for batch in batches[1:] for p in roller.scorer.prompts(batch)],
+                                     rc.group_size, rc.max_new_tokens, rc.temperature, args.group_repeats)
         if engine_name == "hf_fast":  # shared-prompt groups vs plain model.generate() on the same prompts
             groups = bench_groups(engine, [roller.encode(p.prompt) for p in batches[1]], rc.group_size,
                                   rc.max_new_tokens, repeats=args.group_repeats)
@@ -191,6 +263,9 @@ def bench_pair(engine_name: str, model: str, args) -> dict:
         row["groups_vs_plain_generate"] = groups
         row["ratio_vs_plain_generate"] = groups["ratio_vs_plain_generate"]
         row["greedy_tokens_equal"] = groups["greedy_tokens_equal"]
+    if stream is not None:
+        row["streaming"] = stream
+        row["ratio_stream_vs_batch"] = stream["ratio_stream_vs_batch"]
     if acc is not None:
         row["greedy_accuracy"] = round(acc, 4)
         row["eval_problems"] = args.eval
@@ -226,6 +301,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="response length (overrides rollout.max_new_tokens; EOS is off in the hf_fast group comparison)")
     p.add_argument("--group-repeats", type=int, default=3, help="hf_fast: timed runs of each path in the group comparison")
+    p.add_argument("--streaming", action="store_true",
+                   help="hf_fast: also batch vs stream on long-tailed per-request caps (ratio_stream_vs_batch)")
     p.add_argument("--eval", type=int, default=0, help="greedy accuracy on this many held-out problems (smol-moe)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
@@ -268,6 +345,8 @@ def main(argv=None) -> int:
         if "ratio_vs_plain_generate" in r:  # hf_fast: shared-prompt groups vs plain generate()
             result["ratio_vs_plain_generate"] = r["ratio_vs_plain_generate"]
             result["greedy_tokens_equal"] = r["greedy_tokens_equal"]
+        if "ratio_stream_vs_batch" in r:
+            result["ratio_stream_vs_batch"] = r["ratio_stream_vs_batch"]
     if "hf" in engines and args.fast_preset != "none":
         # The hf engine's fast path (static KV cache, refill, CUDA graphs on GPU) against plain
         # model.generate() on the same model, prompts and lengths, in this same run.
