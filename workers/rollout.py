@@ -383,8 +383,10 @@ class RolloutWorker:
             n //= 2
         if self.roller.in_flight:  # slots still busy: ask again at the next sync
             self._refused_since = None
-        else:
-            self._refused(sender, totals, k)
+            return 0
+        if self.borrower is not None:  # idle until admitted: the learner gets its threads back
+            self.borrower.end_batch()
+        self._refused(sender, totals, k)
         return 0
 
     def _record(self, sender: TrajectorySender, td, gen_s: float, load_s: float, totals: dict) -> None:

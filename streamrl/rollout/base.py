@@ -3,6 +3,8 @@
 Two implementations: :class:`streamrl.rollout.batch.BatchRoller` (single turn, ``group_size``
 samples per problem) and :class:`streamrl.envs.roller.EpisodeBatchRoller` (multi-turn episodes
 with tools). :func:`streamrl.rollout.factory.build_roller` picks one from the config.
+With ``rollout.streaming`` it gives a :class:`streamrl.rollout.stream.StreamingRoller` instead, which
+is not a Roller: it runs one open-ended stream (``run(reserve, send, ...)``) rather than batches.
 """
 from __future__ import annotations
 

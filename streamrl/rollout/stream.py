@@ -67,6 +67,9 @@ class StreamingRoller:
         self._requests = 0                                  # prompts handed to the engine
         self.in_flight = 0                                  # groups admitted, not yet scored
         self.groups_sent = 0
+        self._version = 0                                   # stamped on tokens when no per-token versions
+        self._send: Callable[[TensorDict], None] | None = None
+        self._tokens = 0                                    # tokens harvested in this run
         self._mark = (0, 0)                                 # (engine decode steps, tokens) at the last send
 
     def run(self, reserve: Callable[[int], int], send: Callable[[TensorDict], None], version: int,
