@@ -366,7 +366,10 @@ class RolloutWorker:
         finally:
             if self.borrower is not None:
                 self.borrower.end_batch()
-            self.coord.refund(flow["reserved"] - flow["sent"])
+            try:  # groups reserved but never delivered (an error, or a send given up on stop)
+                self.coord.refund(flow["reserved"] - flow["sent"])
+            except Exception as e:  # noqa: BLE001 - Redis gone: keep the error that ended the stream
+                self.log.warning("refund of %d undelivered group(s) failed: %s", flow["reserved"] - flow["sent"], e)
 
     def _reserve(self, k: int, sender: TrajectorySender, totals: dict, flow: dict) -> int:
         """Streaming admission: reserve up to ``k`` groups now (halving ``k`` until the staleness
