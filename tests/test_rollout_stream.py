@@ -158,6 +158,7 @@ def test_roller_sends_whole_groups_and_loses_none(repo, monkeypatch):
         gids += sorted(set(gid))
         tids += td["traj_id"].tolist()
         assert (td["policy_version"] == 3).all()
+        assert not td["reward"].is_inference() and not td["response_tokens"].is_inference()
     assert len(set(gids)) == 7 and len(set(tids)) == 7 * g  # none lost, none duplicated
     assert 0 < roller.last_metrics["rollout/slot_occupancy"] <= 1 and "rollout/truncated" in roller.last_metrics
 

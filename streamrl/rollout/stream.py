@@ -147,7 +147,10 @@ class StreamingRoller:
         self._mark = (self._steps(), self._tokens)
         self.last_metrics = {**self.scorer.metrics(samples),  # a sample's first token comes from its prefill
                              "rollout/slot_occupancy": min(1.0, live / max(steps * self.engine.batch, 1))}
-        self._send(self.scorer.pack(samples))
+        # called from inside the engine's inference-mode loop: the message and whatever the sender
+        # does with it (role annotations, metrics) get ordinary tensors, as on the batch path
+        with torch.inference_mode(False):
+            self._send(self.scorer.pack(samples))
         self.groups_sent += groups
 
     def _steps(self) -> int:
