@@ -2,6 +2,7 @@
 Redis and real sockets: late joiner, lost notifications, corrupted buckets."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -11,6 +12,7 @@ import torch
 from streamrl.coord.coordinator import Coordinator
 from streamrl.weights.adapter import adapt_specs, adapt_tensor, unadapt
 from streamrl.weights.layout import ChecksumError, Layout, checksum_region
+from streamrl.weights.manifest import ManifestJSON
 from streamrl.weights.publisher import WeightPublisher
 from streamrl.weights.subscriber import WeightSubscriber
 
@@ -190,6 +192,53 @@ def test_one_bucket_version_is_announced_once_complete(redis_url, run_id):
     finally:
         ps.close()
         pub.close()
+
+def test_manifest_json_reuses_the_table_and_decodes_to_the_manifest():
+    enc = ManifestJSON()
+    table = [{"name": "p", "shape": [6], "parts": {"names": ["a", "b"], "shapes": [[2], [2, 2]]}}]
+    for v in range(3):  # the table is encoded once, the rest every time
+        m = {"version": v, "tensors": table, "buckets": [{"checksum": str(v)}], "host": "h\"x"}
+        assert json.loads(enc.encode(m)) == m
+    other = [dict(table[0], name="q")]  # a new plan: a new list, encoded anew
+    assert json.loads(enc.encode({"version": 3, "tensors": other}))["tensors"] == other
+    assert json.loads(enc.encode({"tensors": table})) == {"tensors": table}
+    assert json.loads(enc.encode({"version": 4})) == {"version": 4}
+
+
+@pytest.mark.timeout(60)
+def test_stored_manifest_is_the_published_one_when_specs_change(redis_url, run_id):
+    """The manifest in Redis decodes to the publisher's (its table is spliced in from a cache),
+    also after the specs change and the plan with them."""
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", keep=2)
+    sub = WeightSubscriber(coord, plane="shm")
+    try:
+        for v, specs in enumerate([SPECS, SPECS, SPECS[:3], SPECS]):
+            tensors = make_tensors(v)[: len(specs)]
+            pub.publish(v, specs, iter(tensors))
+            assert coord.manifest(v) == json.loads(json.dumps(coord.last_published[1]))
+            assert [e["name"] for e in coord.manifest(v)["tensors"]] == [n for n, _, _ in adapt_specs(specs, "hf")]
+            got = dict(sub.fetch(v))
+            assert len(got) == len(specs) and all(torch.equal(got[n], t) for (n, _, _), t in zip(specs, tensors))
+        assert coord.manifest(1) is None and sorted(pub.store.files) == [2, 3]
+    finally:
+        sub.close()
+        pub.close()
+
+
+@pytest.mark.timeout(30)
+def test_publish_version_script_survives_a_flushed_script_cache(redis_url, run_id):
+    """publish_version is one Lua script: a Redis that lost its scripts (a restart) gets it
+    loaded again; versions not one apart leave one beyond keep, which the fallback GC collects."""
+    coord = Coordinator(redis_url, run_id)
+    coord.publish_version(0, {"v": 0}, keep=2)
+    coord.r.script_flush()
+    coord.publish_version(1, {"v": 1}, keep=2)
+    coord.publish_version(4, {"v": 4}, keep=2)  # expires 2 (none) in the script; 0 is left for gc_versions
+    assert coord.current_version() == 4 and coord.manifest(4) == {"v": 4}
+    assert coord.r.zrange(coord.keys.weights_versions, 0, -1) == ["1", "4"]
+    assert coord.manifest(0) is None and coord.manifest(1) == {"v": 1}
+
 
 @pytest.mark.timeout(60)
 def test_late_joiner_gets_newest_and_old_versions_are_collected(redis_url, run_id):

@@ -105,6 +105,21 @@ return 1
 """
 
 
+# publish_version: KEYS = manifest(v), version, versions zset[, manifest(v - keep), buckets(v - keep)];
+# ARGV = manifest JSON, v, channel, keep[, v - keep]. Returns the versions still beyond ``keep`` after that.
+_PUBLISH = """
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[2])
+redis.call('PUBLISH', ARGV[3], ARGV[2])
+if #KEYS > 3 then
+  redis.call('DEL', KEYS[4], KEYS[5])
+  redis.call('ZREM', KEYS[3], ARGV[5])
+end
+return redis.call('ZRANGE', KEYS[3], 0, -(tonumber(ARGV[4]) + 1))
+"""
+
+
 def connect(url: str, outage_s: float = OUTAGE_S) -> redis.Redis:
     """A Redis client that survives Redis restarts of up to ``outage_s`` (see :class:`OutageRetry`)."""
     return redis.Redis.from_url(
@@ -127,6 +142,7 @@ class Coordinator:
         self.r = connect(url, outage_s)
         self._reserve = self.r.register_script(_RESERVE)
         self._max_set = self.r.register_script(_MAX_SET)
+        self._publish = self.r.register_script(_PUBLISH)
         self.last_published: tuple[int, dict[str, Any]] | None = None
         """(version, manifest) of the newest :meth:`publish_version` call, for :meth:`reassert_version`."""
 
@@ -155,21 +171,23 @@ class Coordinator:
         return stored
 
     # -- weights versions ------------------------------------------------------------------
-    def publish_version(self, version: int, manifest: dict[str, Any], keep: int = 3) -> None:
+    def publish_version(self, version: int, manifest: dict[str, Any], keep: int = 3,
+                        encoded: str | None = None) -> None:
         """Store the manifest, advance the version, notify subscribers, expire old versions.
 
-        One round trip in the steady state (versions one apart: only ``version - keep`` expires,
-        in the same pipeline); :meth:`gc_versions` runs only when the pipeline finds more."""
-        pipe = self.r.pipeline()
-        pipe.set(self.keys.manifest(version), json.dumps(manifest))
-        pipe.set(self.keys.version, version)
-        pipe.zadd(self.keys.weights_versions, {str(version): version})
-        pipe.publish(self.keys.weights_channel, str(version))
+        One Lua script, so one command and one reply, and atomic: nobody sees the version
+        advanced without its manifest. In the steady state (versions one apart) only
+        ``version - keep`` expires, in the same script; :meth:`gc_versions` runs only when the
+        script finds more. ``encoded``: ``manifest`` as JSON, when the caller has it (the
+        publisher reuses the encoded tensor table of an unchanged layout).
+        """
+        k = self.keys
+        keys = [k.manifest(version), k.version, k.weights_versions]
+        args = [encoded if encoded is not None else json.dumps(manifest), version, k.weights_channel, keep]
         if version - keep >= 0:
-            pipe.delete(self.keys.manifest(version - keep), self.keys.weights_buckets(version - keep))
-            pipe.zrem(self.keys.weights_versions, str(version - keep))
-        pipe.zrange(self.keys.weights_versions, 0, -(keep + 1))
-        stale = pipe.execute()[-1]
+            keys += [k.manifest(version - keep), k.weights_buckets(version - keep)]
+            args.append(version - keep)
+        stale = self._publish(keys=keys, args=args)
         self.last_published = (version, manifest)
         if stale:  # versions not one apart, or left by an earlier incarnation of the run
             self.gc_versions(keep)

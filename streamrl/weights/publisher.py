@@ -48,6 +48,7 @@ from streamrl.weights.collective import CollectiveSender
 from streamrl.weights.ipc import DeviceStore, copy_into
 from streamrl.transport.codec import DTYPES
 from streamrl.weights.layout import CHUNK, Checksum, Layout, write_tensor
+from streamrl.weights.manifest import ManifestJSON
 from streamrl.weights.store import ShmStore
 from streamrl.weights.zmq_plane import BucketServer
 
@@ -89,6 +90,7 @@ class WeightPublisher:
         self._ready: dict[int, int] = {}  # version -> buckets ready (read by the server thread)
         self._buckets: dict[int, list[dict]] = {}
         self._plan: tuple[list, Layout] | None = None  # (specs, their layout) of the last version
+        self._json = ManifestJSON()  # encodes the plan's tensor table once
         if plane in COLLECTIVE_PLANES:
             self.collective = CollectiveSender(coord, plane, collective_world, bind_host, advertise_host, device)
         elif plane == "ipc":  # the store is two device buffers, no server: subscribers map them
@@ -147,7 +149,7 @@ class WeightPublisher:
         writer.check_complete()
         manifest["state"] = "complete"
         manifest["buckets"] = layout.buckets
-        self.coord.publish_version(version, manifest, keep=self.keep)
+        self.coord.publish_version(version, manifest, keep=self.keep, encoded=self._json.encode(manifest))
         self.collect()
         return {"weights/gather_s": gather_s, "weights/write_s": write_s,
                 "weights/publish_s": time.perf_counter() - t0, "weights/bytes": float(layout.total_bytes),
