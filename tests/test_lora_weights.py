@@ -88,6 +88,21 @@ def test_bench_lora_reports_both_versions(capsys):
     assert out["lora"]["bytes"] < out["full"]["bytes"] / 10
     assert out["bytes_ratio"] == round(out["lora"]["bytes"] / out["full"]["bytes"], 5)
     assert out["merge"]["projections"] == 4 and out["merge"]["merge_s"] > 0
+    assert out["learner_step"] is True
+
+
+def test_bench_learner_step_reads_and_writes_but_moves_nothing():
+    """The bench's stand-in for the learner's AdamW step before a publish leaves the values as they were."""
+    from streamrl.bench.lora import LearnerStep
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    before = p.detach().clone()
+    step = LearnerStep([p])
+    step()
+    step()
+    assert torch.equal(p.detach(), before) and step.optim.state[p]["exp_avg"].shape == p.shape
+    step.close()
+    assert p.grad is None and not step.optim.state
 
 
 def test_packed_manifest_entry_round_trips_and_malformed_parts_are_refused():

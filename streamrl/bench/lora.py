@@ -7,6 +7,14 @@ shared-memory store (real Redis, real checksums), the subscriber fetches, verifi
 into an engine's parameters (a full version is copied; an adapter version is merged from the
 base, :mod:`streamrl.engines.adapter_merge`). The adapter version is the learner's: its LoRA
 policy's packed tensor, packed in each round (the pack is part of the publish seconds).
+
+What precedes each timed publish is what precedes it in the learner: an AdamW step over the
+tensors the version carries (the full model's parameters, or the adapters; zero gradients and
+no weight decay, so the values stay put while the memory traffic is a real step's). Without it
+(``--no-learner-step``) the publish follows the previous round's engine load in this same
+process, which no learner's publish does: for the adapter version, whose bytes fit in the
+cache, that measures a cache emptied by the rollout side's merge, not the publish; the full
+version streams from memory either way.
 Reported per kind: bytes, tensors (a packed one's parts), publish seconds,
 fetch + verify + load seconds and end-to-end seconds (best of ``--repeat``); then the ratios
 (target: the adapter's publish-time ratio at most twice its bytes ratio), and the merged vs
@@ -69,10 +77,33 @@ def build(args):
 
 
 def versions(engine, policy: LoraPolicy):
-    """{kind: (specs, tensors of one version: a callable)} of a full version and an adapter version."""
+    """{kind: (specs, tensors of one version: a callable, the parameters the learner trains for it)}
+    of a full version and an adapter version."""
     full = [p.detach() for _, p in engine.named_parameters()]
     full_specs = [(n, p.dtype, tuple(p.shape)) for n, p in engine.named_parameters()]
-    return {"full": (full_specs, lambda: iter(full)), "lora": (policy.specs(), policy.full_tensors)}
+    return {"full": (full_specs, lambda: iter(full), list(engine.parameters())),
+            "lora": (policy.specs(), policy.full_tensors, policy.trainable())}
+
+
+class LearnerStep:
+    """The learner's optimizer step before a publish: fused AdamW (the trainer's) over ``params``
+    with zero gradients and no weight decay: every byte of the parameters and their two moments
+    is read and written as in a real step, and the values do not change."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        self.params = params
+        self.optim = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0, fused=True)
+
+    def __call__(self) -> None:
+        self.optim.step()
+
+    def close(self) -> None:
+        """Free the moments and gradients (about 3x the parameters' bytes)."""
+        self.optim.state.clear()
+        for p in self.params:
+            p.grad = None
 
 
 def adapter_items(learner, lora) -> list[tuple[str, torch.Tensor]]:
@@ -81,8 +112,9 @@ def adapter_items(learner, lora) -> list[tuple[str, torch.Tensor]]:
     return items + [(SCALING_NAME, torch.tensor([lora_scaling(lora)], dtype=torch.float32))]
 
 
-def time_versions(url: str, engine, kinds: dict, repeat: int) -> dict:
-    """Publish + load each kind ``repeat`` times; best seconds of each phase per kind."""
+def time_versions(url: str, engine, kinds: dict, repeat: int, learner_step: bool = True) -> dict:
+    """Publish + load each kind ``repeat`` times (each publish after a :class:`LearnerStep` over
+    the kind's trained parameters, untimed, when ``learner_step``); best seconds of each phase per kind."""
     run = f"bench-lora-{uuid.uuid4().hex[:8]}"
     coord = Coordinator(url, run)
     pub = WeightPublisher(coord, run, plane="shm", keep=2)
@@ -90,10 +122,13 @@ def time_versions(url: str, engine, kinds: dict, repeat: int) -> dict:
     target = _Engine(engine)
     out, version = {}, 0
     try:
-        for kind, (specs, tensors) in kinds.items():
+        for kind, (specs, tensors, trained) in kinds.items():
             count = tensor_count(specs)
             best: dict[str, float] = {}
+            step = LearnerStep(trained) if learner_step else None
             for _ in range(repeat + 1):  # the first round allocates the store's pages
+                if step is not None:
+                    step()
                 t0 = time.perf_counter()
                 timings = pub.publish(version, specs, tensors())
                 t1 = time.perf_counter()
@@ -103,6 +138,8 @@ def time_versions(url: str, engine, kinds: dict, repeat: int) -> dict:
                 best = {k: min(v, best.get(k, v)) for k, v in row.items()}
                 bytes_ = int(timings["weights/bytes"])
                 version += 1
+            if step is not None:
+                step.close()
             out[kind] = {"bytes": bytes_, "tensors": count, "published_tensors": len(specs),
                          **{k: round(v, 5) for k, v in best.items()}}
     finally:
@@ -150,6 +187,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=16, help="decode batch of the merged vs unmerged figure")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds per kind (best is kept)")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--no-learner-step", dest="learner_step", action="store_false",
+                   help="publish right after the previous round's engine load, without the learner's AdamW step")
     return p.parse_args(argv)
 
 
@@ -164,12 +203,13 @@ def main(argv=None) -> int:
         server = RedisServer(Path(tempfile.mkdtemp(prefix="streamrl-bench-redis-"))).start()
         url = server.url
     try:
-        rows = time_versions(url, engine, versions(engine, policy), args.repeat)
+        rows = time_versions(url, engine, versions(engine, policy), args.repeat, args.learner_step)
     finally:
         if server is not None:
             server.stop()
     full, ad = rows["full"], rows["lora"]
-    out = {"bench": "lora", "r": args.r, "targets": args.targets, "dtype": args.dtype, "layers": args.layers, **rows,
+    out = {"bench": "lora", "r": args.r, "targets": args.targets, "dtype": args.dtype, "layers": args.layers,
+           "learner_step": args.learner_step, **rows,
            "bytes_ratio": round(ad["bytes"] / full["bytes"], 5),
            "publish_ratio": round(ad["publish_s"] / full["publish_s"], 5),
            "e2e_ratio": round(ad["e2e_s"] / full["e2e_s"], 5),
