@@ -15,6 +15,7 @@ no weight decay, so the values stay put while the memory traffic is a real step'
 process, which no learner's publish does: for the adapter version, whose bytes fit in the
 cache, that measures a cache emptied by the rollout side's merge, not the publish; the full
 version streams from memory either way.
+
 Reported per kind: bytes, tensors (a packed one's parts), publish seconds,
 fetch + verify + load seconds and end-to-end seconds (best of ``--repeat``); then the ratios
 (target: the adapter's publish-time ratio at most twice its bytes ratio), and the merged vs
