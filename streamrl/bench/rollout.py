@@ -119,7 +119,9 @@ def bench_streaming(engine, prompts: list[list[int]], group_size: int, max_new: 
     """Batch vs stream (hf_fast) on the same ``prompts`` (``group_size`` copies of each in a row) with
     :func:`long_tail_caps`: ``generate`` on ``engine.batch`` requests at a time, against one
     ``generate_stream`` fed whole groups as their slots free. Alternated ``repeats`` times (order
-    swapped each time); the medians of tokens/s."""
+    swapped each time); the medians of tokens/s. EOS is switched off so the caps set the lengths
+    (``same_tokens``); a compiled CUDA engine keeps the EOS id it captured, so there some responses
+    may end early and ``same_tokens`` is false."""
     caps = long_tail_caps(len(prompts), max_new)
     b = engine.batch
 
