@@ -126,7 +126,9 @@ def _check_groups(family: str, r: RoutingSpec, cfg) -> RoutingSpec:
 def probe_ids(vocab_size: int, n: int = 16, seed: int = 0):
     """[1, n] fixed pseudo-random token ids for :func:`check_converted_logits`."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (1, n), generator=g)
+    # device="cpu" with the CPU generator: a model built under a CUDA default device (torch.device
+    # context) would otherwise draw on the GPU with a CPU generator, which torch refuses
+    return torch.randint(0, vocab_size, (1, n), generator=g, device="cpu")
 
 
 def check_converted_logits(reference, converted_model, input_ids, atol: float | None = None) -> float:
@@ -161,6 +163,7 @@ def reference_logits(model, input_ids):
     """[B, T, V] float32 logits of ``model`` in eval mode (its mode is restored)."""
     was_training = model.training
     model.eval()
+    input_ids = input_ids.to(_device_of(model))
     try:
         with torch.no_grad():
             out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)

@@ -200,8 +200,13 @@ class EPMoEBlock(nn.Module):
         self.n_local = self.num_experts // ep_size
         lo, hi = ep_rank * self.n_local, (ep_rank + 1) * self.n_local
         self.gate = hf_block.gate  # keeps the names mlp.gate.weight (and e_score_correction_bias)
-        self.experts = LocalExperts(experts.gate_up_proj.data[lo:hi].clone(),
-                                    experts.down_proj.data[lo:hi].clone(), experts.act_fn, impl)
+        # ep > 1: a copy of this rank's slice, so the other ranks' experts can be freed. ep = 1:
+        # the HF tensors themselves (the HF experts module goes away with this conversion), so
+        # converting a model that fills most of the GPU does not need room for a second copy
+        gate_up, down = experts.gate_up_proj.data, experts.down_proj.data
+        if ep_size > 1:
+            gate_up, down = gate_up[lo:hi].clone(), down[lo:hi].clone()
+        self.experts = LocalExperts(gate_up, down, experts.act_fn, impl)
         # Shared experts under their HF attribute names: Qwen2-MoE's shared_expert with its
         # sigmoid shared_expert_gate, DeepSeek's shared_experts (always added, no gate).
         self.shared = tuple(shared)
