@@ -22,6 +22,7 @@ recomputation of activation checkpointing -- peak GPU memory, and per version ki
 and publish-to-loaded seconds.
 
     python3 tools/gpu/lora_big.py --json                                  # the H200 run
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 tools/gpu/lora_big.py --json --budget 4096   # an 80 GB H100
     python3 tools/gpu/lora_big.py --shape tiny --device cpu --json        # the CPU smoke test
 """
 from __future__ import annotations
