@@ -238,6 +238,10 @@ class RolloutConfig:
     """Sampling temperature (behaviour log-probs are of the tempered distribution)."""
     device: str = "cpu"
     """Device for the engine."""
+    dtype: str = ""
+    """Dtype the engine holds and computes in: '' (model.dtype), 'float32' or 'bfloat16'. Versions arrive in the
+    learner's model.dtype and are cast on load; with bfloat16 the behaviour log-probs come from the bf16 sampler
+    and the learner's importance weights (loss grpo_tis) correct the difference."""
     rewards: str = "task"
     """Reward spec 'name=weight,...': task, exact_answer, format or package.module:function."""
     reward_model: str = ""
@@ -286,6 +290,8 @@ class RolloutConfig:
     def validate(self, p: str) -> None:
         _check(self.engine in ("hf", "hf_fast", "vllm"), f"{p}.engine", self.engine,
                "must be 'hf', 'hf_fast' or 'vllm'")
+        _check(self.dtype in ("", "float32", "bfloat16"), f"{p}.dtype", self.dtype,
+               "must be '' (model.dtype), 'float32' or 'bfloat16'")
         _check(self.kv_cache_mb >= 1, f"{p}.kv_cache_mb", self.kv_cache_mb, "must be >= 1")
         _check(self.kv_cache in ("static", "paged"), f"{p}.kv_cache", self.kv_cache, "must be 'static' or 'paged'")
         _check(self.kv_cache == "static" or self.engine == "hf_fast", f"{p}.kv_cache", self.kv_cache,

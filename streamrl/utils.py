@@ -26,6 +26,21 @@ def limit_threads(n: int | None = None) -> None:
     torch.set_num_threads(n)
 
 
+def use_tf32(device: str | torch.device) -> None:
+    """Let float32 matmuls on CUDA use TF32 tensor cores (process-wide; a no-op for other devices).
+
+    Why: a float32 learner or engine otherwise runs its matmuls at full fp32 rate, several times
+    slower on Ampere and later (inductor warns about it), while the updates it computes are
+    already noisier than TF32's 10-bit mantissa. ``set_float32_matmul_precision`` rather than
+    ``torch.backends.cuda.matmul.fp32_precision``: setting only the new per-backend flag makes a
+    later read of the legacy ``allow_tf32`` (libraries still read it) raise in torch 2.13; this call
+    keeps both views consistent. CPU processes are left alone: "high" would also switch oneDNN's
+    CPU matmuls to TF32, and CPU runs keep their numerics.
+    """
+    if torch.device(device).type == "cuda":
+        torch.set_float32_matmul_precision("high")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)

@@ -38,6 +38,7 @@ def test_roundtrip_through_dict(repo):
         ("model.experts_per_token=9", "model.experts_per_token", "9"),
         ("rollout.paged_attention=fast", "rollout.paged_attention", "'fast'"),
         ("rollout.decode_attention=fast", "rollout.decode_attention", "'fast'"),
+        ("rollout.dtype=float16", "rollout.dtype", "'float16'"),
     ],
 )
 def test_bad_values_name_field_and_value(override, field, value):

@@ -83,6 +83,7 @@ def test_learner_spanning_nodes_uses_static_rendezvous(capsys):
     (["--nnodes", "2", "--node-rank", "2", "--run-id", "x"], "--node-rank 2 with --nnodes 2"),
     (["--run-id", "a:b"], "--run-id 'a:b'"),
     (["learner.lr=-1"], "learner.lr"),
+    (["rollout.dtype=float16"], "rollout.dtype"),
 ])
 def test_one_line_errors(capsys, argv, needle):
     assert needle in error(capsys, *argv)

@@ -36,17 +36,24 @@ from streamrl.models.lora import SCALING_NAME, base_weight_name, group_adapters,
 
 
 class EngineWeights:
-    """Loads versions into an engine's ``params`` (``{HF name: parameter}``), all or nothing."""
+    """Loads versions into an engine's ``params`` (``{HF name: parameter}``), all or nothing.
 
-    def __init__(self, params: dict[str, torch.Tensor]):
+    ``base``: ``W0`` of adapted projections in the learner's dtype, for an engine that holds a cast
+    copy (:func:`~streamrl.engines.precision.cast_for_engine`); a projection not in it takes its
+    ``W0`` from its parameter at the first adapter version. A merge is computed in float32 from
+    ``W0`` and rounded once, into the parameter's dtype.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], base: dict[str, torch.Tensor] | None = None):
         self.params = params
+        self.master = dict(base or {})  # W0 in the learner's dtype, kept across full versions' resets
         self.base: dict[str, torch.Tensor] = {}  # W0 of each adapted projection (adapter versions)
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         items = list(named_tensors)
         if not is_adapter_version([n for n, _ in items]):
             copy_weights_all_or_nothing(self.params, items)
-            self.base = {}  # a full version is the new base
+            self.base, self.master = {}, {}  # a full version is the new base
             return
         named = dict(items)
         scaling = float(named[SCALING_NAME].reshape(-1)[0])
@@ -55,7 +62,9 @@ class EngineWeights:
         with torch.no_grad():
             for name in pairs:
                 if name not in self.base:
-                    self.base[name] = self.params[name].detach().clone()
+                    master = self.master.get(name)
+                    self.base[name] = (self.params[name].detach().clone() if master is None
+                                       else master.to(self.params[name].device))
             for name, (a, b) in pairs.items():
                 self.params[name].copy_(merged_weight(self.base[name], a, b, scaling))
 

@@ -14,7 +14,9 @@ from streamrl.engines.hf import HFEngine
 from streamrl.engines.hf_fast import FastHFEngine
 from streamrl.engines.hf_fast_config import FastHFConfig
 from streamrl.engines.paged_kv import pool_blocks
+from streamrl.engines.precision import cast_for_engine, engine_dtype_name
 from streamrl.models.factory import build_model, load_model_and_tokenizer, save_model
+from streamrl.utils import use_tf32
 
 ENGINES = ("hf", "hf_fast", "vllm")
 
@@ -50,22 +52,24 @@ def fast_hf_config(cfg: Config, model) -> FastHFConfig:
 def build_engine(cfg: Config, model=None, tok=None):
     """The engine named by ``cfg.rollout.engine``.
 
-    ``model``/``tok`` (from :func:`streamrl.models.factory.load_model_and_tokenizer`) are
-    used by the ``hf`` engine, and by ``vllm`` only to save the tiny model.
+    ``model``/``tok`` (from :func:`streamrl.models.factory.load_model_and_tokenizer`, in the
+    learner's ``model.dtype``) are used by the hf engines, which cast ``model`` in place to
+    ``rollout.dtype`` (:mod:`streamrl.engines.precision`), and by ``vllm`` only to save the tiny
+    model (vLLM loads the folder in ``rollout.dtype`` itself).
     """
     rc = cfg.rollout
-    if rc.engine == "hf":
+    use_tf32(rc.device)
+    if rc.engine in ("hf", "hf_fast"):
         if model is None:
             model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
-        return HFEngine(model, tok, rc.device, record_routing=rc.record_routing)
-    if rc.engine == "hf_fast":
-        if model is None:
-            model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
-        return FastHFEngine(model, tok, fast_hf_config(cfg, model))
+        lora_base = cast_for_engine(model, cfg)
+        if rc.engine == "hf":
+            return HFEngine(model, tok, rc.device, record_routing=rc.record_routing, lora_base=lora_base)
+        return FastHFEngine(model, tok, fast_hf_config(cfg, model), lora_base=lora_base)
     if rc.engine == "vllm":
         from streamrl.engines.vllm_engine import VLLMEngine  # noqa: PLC0415 (vllm is optional and heavy)
 
-        return VLLMEngine(model_folder(cfg, model, tok), dtype=cfg.model.dtype,
+        return VLLMEngine(model_folder(cfg, model, tok), dtype=engine_dtype_name(cfg), base_dtype=cfg.model.dtype,
                           kv_cache_bytes=rc.kv_cache_mb << 20, max_model_len=rc.max_model_len,
                           seed=cfg.run.seed, gpu_memory_utilization=rc.gpu_memory_utilization,
                           record_routing=rc.record_routing, enable_prefix_caching=rc.enable_prefix_caching,

@@ -43,11 +43,16 @@ def neutral_generation_config(eos_id: int | None, pad_id: int | None) -> Generat
 
 
 class HFEngine:
-    """Generation with ``model.generate`` (KV cache), log-probs from the raw logits."""
+    """Generation with ``model.generate`` (KV cache), log-probs from the raw logits (float32).
+
+    Computes in ``model``'s dtype; ``lora_base``: ``W0`` of adapted projections in the learner's
+    dtype when ``model`` is a cast copy (:func:`~streamrl.engines.precision.cast_for_engine`).
+    """
 
     name = "hf"
 
-    def __init__(self, model, tokenizer, device: str = "cpu", record_routing: bool = False):
+    def __init__(self, model, tokenizer, device: str = "cpu", record_routing: bool = False,
+                 lora_base: dict[str, torch.Tensor] | None = None):
         self.model = model.to(device).eval()
         self.tok = tokenizer
         self.device = torch.device(device)
@@ -56,7 +61,7 @@ class HFEngine:
         # The sampling distribution is the behaviour policy: nothing from the folder may reshape it.
         self.model.generation_config = neutral_generation_config(self.eos_id, self.pad_id)
         self._params = dict(self.model.named_parameters())
-        self._weights = EngineWeights(self._params)
+        self._weights = EngineWeights(self._params, lora_base)
         self.routers = find_routers(self.model) if record_routing else []
         self._steps: list[list[torch.Tensor]] | None = None  # per forward: per layer [N, k]
         for layer_idx, router in enumerate(self.routers):

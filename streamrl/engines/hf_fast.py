@@ -83,7 +83,10 @@ class FastHFEngine:
 
     model: a transformers causal LM with ``model.model.{embed_tokens, rotary_emb, layers, norm}``
     and ``lm_head`` (Llama/Qwen/Mixtral/Qwen-MoE layouts); tokenizer: optional, for its EOS and pad
-    ids and for stop strings; config: how it decodes (:class:`~streamrl.engines.hf_fast_config.FastHFConfig`).
+    ids and for stop strings; config: how it decodes (:class:`~streamrl.engines.hf_fast_config.FastHFConfig`);
+    lora_base: ``W0`` of adapted projections in the learner's dtype when ``model`` is a cast copy
+    (:func:`~streamrl.engines.precision.cast_for_engine`). The engine computes in ``model``'s dtype
+    (KV cache included); log-probs are float32 either way.
 
     Slot state on the device, read and written in place by the captured step and by
     :class:`~streamrl.engines.decode_loop.DecodeLoop`: ``tok``/``pos``/``gen`` ``[B]`` long (last drawn
@@ -96,7 +99,8 @@ class FastHFEngine:
 
     name = "hf"
 
-    def __init__(self, model, tokenizer=None, config: FastHFConfig = FastHFConfig()):
+    def __init__(self, model, tokenizer=None, config: FastHFConfig = FastHFConfig(),
+                 lora_base: dict[str, torch.Tensor] | None = None):
         self.config = config
         self.device = torch.device(config.device)
         self.max_len = config.max_seq_len or min(getattr(model.config, "max_position_embeddings", 4096), 4096)
@@ -129,7 +133,7 @@ class FastHFEngine:
         self._compiled_layers: list = []
         self._finish_fn = self._finish
         self._params = dict(model.named_parameters())
-        self._weights = EngineWeights(self._params)
+        self._weights = EngineWeights(self._params, lora_base)
         dtype = next(model.parameters()).dtype
         self.experts_impl = config.experts_implementation
         if self.experts_impl == "auto":

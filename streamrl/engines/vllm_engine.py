@@ -184,7 +184,9 @@ class VLLMEngine:
 
     Args:
         folder: HF model folder (config, safetensors, tokenizer).
-        dtype: float32 (parity tests) or bfloat16.
+        dtype: float32 (parity tests) or bfloat16: the engine's weights and compute.
+        base_dtype: the learner's dtype (None: ``dtype``); adapter versions merge from the
+            folder's ``W0`` read in it, and the merge is rounded once, to ``dtype``, on reload.
         kv_cache_bytes: KV cache size; vLLM's default takes 90% of memory.
         max_model_len: longest prompt + response.
         seed: engine seed (sampling RNG).
@@ -201,12 +203,15 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, folder: str, *, dtype: str = "float32", kv_cache_bytes: int = 256 << 20,
+    def __init__(self, folder: str, *, dtype: str = "float32", base_dtype: str | None = None,
+                 kv_cache_bytes: int = 256 << 20,
                  max_model_len: int = 512, seed: int = 0, enable_prefix_caching: bool = True,
                  gpu_memory_utilization: float = 0.5, record_routing: bool = False, enforce_eager: bool = True,
                  tensor_parallel_size: int = 1):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype = {dtype!r}: must be one of {sorted(_DTYPES)}")
+        base_dtype = base_dtype or dtype
+        for name, value in (("dtype", dtype), ("base_dtype", base_dtype)):
+            if value not in _DTYPES:
+                raise ValueError(f"{name} = {value!r}: must be one of {sorted(_DTYPES)}")
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size = {tensor_parallel_size}: must be >= 1")
         if kv_cache_bytes <= 0:
@@ -216,7 +221,7 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine needs the in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
         from vllm import LLM
 
-        self.folder, self.dtype = str(folder), _DTYPES[dtype]
+        self.folder, self.dtype, self.base_dtype = str(folder), _DTYPES[dtype], _DTYPES[base_dtype]
         self._lora: EngineWeights | None = None  # adapter versions: the folder's W0 of the adapted modules
         self._base_is_folder = True  # False after a full version: adapters merge into the folder's base
         # never ask for more positions than the model has (vLLM refuses to start then)
@@ -449,7 +454,8 @@ class VLLMEngine:
                                "the model folder's base weights, which a full version replaced)")
         if self._lora is None:
             packed = getattr(model, "packed_modules_mapping", {}) or {}
-            self._lora = EngineWeights(folder_modules(self.folder, (n for n, _ in items), packed, self.dtype))
+            self._lora = EngineWeights(folder_modules(self.folder, (n for n, _ in items), packed,
+                                                        self.base_dtype))
         self._lora.load(items)
         return self._lora.params
 
