@@ -12,7 +12,7 @@ import torch
 from streamrl.coord.coordinator import Coordinator
 from streamrl.weights.adapter import adapt_specs, adapt_tensor, unadapt
 from streamrl.weights.layout import ChecksumError, Layout, checksum_region
-from streamrl.weights.manifest import ManifestJSON
+from streamrl.weights.manifest import TABLE_REF, ManifestJSON, Table, decode_table
 from streamrl.weights.publisher import WeightPublisher
 from streamrl.weights.subscriber import WeightSubscriber
 
@@ -193,16 +193,80 @@ def test_one_bucket_version_is_announced_once_complete(redis_url, run_id):
         ps.close()
         pub.close()
 
-def test_manifest_json_reuses_the_table_and_decodes_to_the_manifest():
+def test_manifest_json_names_the_table_by_digest():
+    """The table is encoded and hashed once per list; each manifest's JSON names it by digest."""
     enc = ManifestJSON()
     table = [{"name": "p", "shape": [6], "parts": {"names": ["a", "b"], "shapes": [[2], [2, 2]]}}]
-    for v in range(3):  # the table is encoded once, the rest every time
+    refs = []
+    for v in range(3):
         m = {"version": v, "tensors": table, "buckets": [{"checksum": str(v)}], "host": "h\"x"}
-        assert json.loads(enc.encode(m)) == m
-    other = [dict(table[0], name="q")]  # a new plan: a new list, encoded anew
-    assert json.loads(enc.encode({"version": 3, "tensors": other}))["tensors"] == other
-    assert json.loads(enc.encode({"tensors": table})) == {"tensors": table}
-    assert json.loads(enc.encode({"version": 4})) == {"version": 4}
+        text, ref = enc.encode(m)
+        refs.append(ref)
+        assert json.loads(text) == {**{k: x for k, x in m.items() if k != "tensors"}, TABLE_REF: ref.digest}
+        assert decode_table(ref.digest, ref.text) == table
+    assert refs[0] is refs[1] is refs[2]  # one encoding per plan
+    other = [dict(table[0], name="q")]  # a new plan: a new list, encoded anew, another digest
+    text, ref = enc.encode({"version": 3, "tensors": other})
+    assert decode_table(ref.digest, ref.text) == other and ref.digest != refs[0].digest
+    assert enc.encode({"version": 4}) == (json.dumps({"version": 4}), None)
+    with pytest.raises(ValueError, match="does not hash"):
+        decode_table(ref.digest, refs[0].text)
+    with pytest.raises(ValueError, match="expected a JSON list"):
+        decode_table(Table.of("{}").digest, "{}")
+
+
+def _lose_run_state(coord: Coordinator) -> None:
+    """What a restart of the embedded Redis (no persistence) does to this run: its keys are gone."""
+    keys = list(coord.r.scan_iter(match=f"streamrl:{coord.keys.run}:*"))
+    if keys:
+        coord.r.delete(*keys)
+
+
+@pytest.mark.timeout(60)
+def test_tensor_table_is_stored_once_and_manifests_name_it(redis_url, run_id):
+    """Each version's stored manifest names the layout's table by digest (small), the table is one
+    key, and a reader resolves it once per digest and caches it."""
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", keep=2)
+    try:
+        for v in range(3):
+            pub.publish(v, SPECS, iter(make_tensors(v)))
+        raw = json.loads(coord.r.get(coord.keys.manifest(2)))
+        digest = raw[TABLE_REF]
+        assert "tensors" not in raw and coord.r.keys(coord.keys.weights_table("*")) == [coord.keys.weights_table(digest)]
+        reader = Coordinator(redis_url, run_id)
+        assert reader.manifest(2) == json.loads(json.dumps(coord.last_published[1]))
+        assert reader.manifest(1)["tensors"] is reader.manifest(2)["tensors"]  # decoded once
+        coord.r.delete(coord.keys.weights_table(digest))
+        assert reader.manifest(2) is not None  # cached by digest
+        assert Coordinator(redis_url, run_id).manifest(2) is None  # a new reader: unavailable, not an error
+        pub.publish(3, SPECS, iter(make_tensors(3)))  # the script finds the table missing: stored again
+        assert Coordinator(redis_url, run_id).manifest(3)["tensors"] == coord.last_published[1]["tensors"]
+        coord.r.set(coord.keys.weights_table(digest), coord.r.get(coord.keys.weights_table(digest)).replace("0", "1", 1))
+        with pytest.raises(ValueError, match="does not hash"):
+            Coordinator(redis_url, run_id).manifest(3)
+    finally:
+        pub.close()
+
+
+@pytest.mark.timeout(60)
+def test_lost_tensor_table_comes_back_with_the_learner(redis_url, run_id):
+    """After Redis lost the run's state, the learner's re-assertion writes the last manifest and its
+    table (a subscriber fetches that version), and the next publish stores the table if it is gone."""
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", keep=2)
+    sub = WeightSubscriber(Coordinator(redis_url, run_id), plane="shm")
+    try:
+        pub.publish(0, SPECS, iter(make_tensors(0)))
+        _lose_run_state(coord)
+        assert coord.reassert_version() and coord.current_version() == 0
+        check_equal(sub.fetch(0), make_tensors(0))
+        _lose_run_state(coord)  # lost again before the learner noticed: the publish itself recovers
+        pub.publish(1, SPECS, iter(make_tensors(1)))
+        check_equal(sub.fetch(1), make_tensors(1))
+    finally:
+        sub.close()
+        pub.close()
 
 
 @pytest.mark.timeout(60)

@@ -19,6 +19,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from streamrl.coord.keys import Keys
+from streamrl.weights.manifest import TABLE_REF, Table, decode_table
 
 log = logging.getLogger(__name__)
 
@@ -105,19 +106,24 @@ return 1
 """
 
 
-# publish_version: KEYS = manifest(v), version, versions zset[, manifest(v - keep), buckets(v - keep)];
-# ARGV = manifest JSON, v, channel, keep[, v - keep]. Returns the versions still beyond ``keep`` after that.
+# publish_version: KEYS = manifest(v), version, versions zset, the manifest's tensor table (the manifest
+# key again when it has none)[, manifest(v - keep), buckets(v - keep)]; ARGV = manifest JSON, v, channel,
+# keep, "1" when the manifest names a table[, v - keep]. Returns -1, having written nothing, when the
+# named table is not in Redis; else the versions still beyond ``keep`` after that.
 _PUBLISH = """
+if ARGV[5] == '1' and redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[2])
 redis.call('PUBLISH', ARGV[3], ARGV[2])
-if #KEYS > 3 then
-  redis.call('DEL', KEYS[4], KEYS[5])
-  redis.call('ZREM', KEYS[3], ARGV[5])
+if #KEYS > 4 then
+  redis.call('DEL', KEYS[5], KEYS[6])
+  redis.call('ZREM', KEYS[3], ARGV[6])
 end
 return redis.call('ZRANGE', KEYS[3], 0, -(tonumber(ARGV[4]) + 1))
 """
+# Tensor tables a reader keeps decoded (one per layout; a run has one or a few).
+TABLE_CACHE = 8
 
 
 def connect(url: str, outage_s: float = OUTAGE_S) -> redis.Redis:
@@ -145,6 +151,8 @@ class Coordinator:
         self._publish = self.r.register_script(_PUBLISH)
         self.last_published: tuple[int, dict[str, Any]] | None = None
         """(version, manifest) of the newest :meth:`publish_version` call, for :meth:`reassert_version`."""
+        self._last_stored: tuple[str, Table | None] | None = None  # that manifest as stored, and its table
+        self._tables: dict[str, list] = {}  # digest -> decoded tensor table (checked once), oldest first
 
     def set_outage_s(self, outage_s: float) -> None:
         """Bound each Redis call's retries of a lost connection by ``outage_s`` from now on (the run
@@ -172,23 +180,32 @@ class Coordinator:
 
     # -- weights versions ------------------------------------------------------------------
     def publish_version(self, version: int, manifest: dict[str, Any], keep: int = 3,
-                        encoded: str | None = None) -> None:
+                        encoded: str | None = None, table: Table | None = None) -> None:
         """Store the manifest, advance the version, notify subscribers, expire old versions.
 
         One Lua script, so one command and one reply, and atomic: nobody sees the version
         advanced without its manifest. In the steady state (versions one apart) only
         ``version - keep`` expires, in the same script; :meth:`gc_versions` runs only when the
-        script finds more. ``encoded``: ``manifest`` as JSON, when the caller has it (the
-        publisher reuses the encoded tensor table of an unchanged layout).
+        script finds more. ``encoded``: ``manifest`` as JSON, when the caller has it;
+        ``table``: the tensor table ``encoded`` names by digest instead of holding it
+        (:class:`~streamrl.weights.manifest.ManifestJSON`). The script refuses a manifest whose
+        table is not in Redis (the layout's first version, or Redis lost its state): the table is
+        stored then and the script run again, so a stored manifest's table is always there.
         """
         k = self.keys
-        keys = [k.manifest(version), k.version, k.weights_versions]
-        args = [encoded if encoded is not None else json.dumps(manifest), version, k.weights_channel, keep]
+        keys = [k.manifest(version), k.version, k.weights_versions,
+                k.weights_table(table.digest) if table is not None else k.manifest(version)]
+        text = encoded if encoded is not None else json.dumps(manifest)
+        args = [text, version, k.weights_channel, keep, "1" if table is not None else "0"]
         if version - keep >= 0:
             keys += [k.manifest(version - keep), k.weights_buckets(version - keep)]
             args.append(version - keep)
         stale = self._publish(keys=keys, args=args)
+        if stale == -1:
+            self.r.set(k.weights_table(table.digest), table.text)
+            stale = self._publish(keys=keys, args=args)
         self.last_published = (version, manifest)
+        self._last_stored = (text, table)
         if stale:  # versions not one apart, or left by an earlier incarnation of the run
             self.gc_versions(keep)
 
@@ -198,8 +215,11 @@ class Coordinator:
         if self.last_published is None:
             return False
         version, manifest = self.last_published
+        text, table = self._last_stored or (json.dumps(manifest), None)
         pipe = self.r.pipeline()
-        pipe.set(self.keys.manifest(version), json.dumps(manifest))
+        if table is not None:  # before the manifest that names it (MULTI/EXEC: atomic anyway)
+            pipe.set(self.keys.weights_table(table.digest), table.text)
+        pipe.set(self.keys.manifest(version), text)
         pipe.zadd(self.keys.weights_versions, {str(version): version})
         pipe.set(self.keys.version, version)
         pipe.publish(self.keys.weights_channel, str(version))
@@ -211,8 +231,39 @@ class Coordinator:
         return int(raw) if raw is not None else -1
 
     def manifest(self, version: int) -> dict[str, Any] | None:
+        """The manifest of ``version`` (None: not in Redis), with its tensor table under
+        ``"tensors"`` also when it was stored by digest (the table is shared between the
+        manifests of a layout: read-only). Raises ValueError when a stored table does not match
+        its digest."""
         raw = self.r.get(self.keys.manifest(version))
-        return json.loads(raw) if raw else None
+        if not raw:
+            return None
+        manifest = json.loads(raw)
+        if not isinstance(manifest, dict) or TABLE_REF not in manifest:
+            return manifest
+        table = self._table(manifest.pop(TABLE_REF))
+        if table is None:
+            return None
+        manifest["tensors"] = table
+        return manifest
+
+    def _table(self, digest: Any) -> list | None:
+        """The tensor table stored under ``digest``: read, checked and decoded once, then cached.
+        None when it is not in Redis (gone with a Redis restart, until the learner re-asserts)."""
+        table = self._tables.get(digest) if isinstance(digest, str) else None
+        if table is not None:
+            return table
+        if not isinstance(digest, str):
+            return decode_table(digest, "")  # raises, naming the field
+        text = self.r.get(self.keys.weights_table(digest))
+        if text is None:
+            log.warning("weights tensor table %s... is not in Redis (lost with its state?); its versions "
+                        "are unavailable until the learner stores it again", digest[:16])
+            return None
+        table = self._tables[digest] = decode_table(digest, text)
+        while len(self._tables) > TABLE_CACHE:
+            del self._tables[next(iter(self._tables))]
+        return table
 
     # -- weights: streaming publication, GC, waiting (used by streamrl.weights) -------------
     def begin_version(self, version: int, manifest: dict[str, Any]) -> None:

@@ -26,6 +26,9 @@ class Keys:
     def manifest(self, version: int) -> str:  # JSON manifest of one weights version
         return self._k("weights", "manifest", version)
 
+    def weights_table(self, digest: str) -> str:  # JSON tensor table of a layout, by its SHA-256 (manifests name it)
+        return self._k("weights", "table", digest)
+
     @property
     def weights_channel(self) -> str:  # pub/sub: version announcements
         return self._k("weights", "events")

@@ -17,9 +17,10 @@ Small contiguous CPU tensors (under ``SMALL`` bytes) are packed into a host stor
 a torch op per tensor. A LoRA version goes further: the learner hands its hundreds of adapters as
 one packed tensor (:class:`~streamrl.weights.layout.PackedSpec`, one manifest entry) whose pieces
 are concatenated straight into the store by one op. A version of one
-bucket is announced once, complete, in one Redis pipeline: a streaming subscriber could not
-read any of it before its only bucket is in anyway. Successive versions of the same specs
-reuse one layout plan.
+bucket is announced once, complete, in one Redis command (a Lua script): a streaming subscriber
+could not read any of it before its only bucket is in anyway. Successive versions of the same
+specs reuse one layout plan, and their manifests name its tensor table, stored in Redis once by
+its digest (:mod:`streamrl.weights.manifest`), instead of carrying it.
 
 Data planes (``plane``):
 
@@ -90,7 +91,7 @@ class WeightPublisher:
         self._ready: dict[int, int] = {}  # version -> buckets ready (read by the server thread)
         self._buckets: dict[int, list[dict]] = {}
         self._plan: tuple[list, Layout] | None = None  # (specs, their layout) of the last version
-        self._json = ManifestJSON()  # encodes the plan's tensor table once
+        self._json = ManifestJSON()  # encodes and hashes the plan's tensor table once (stored once, by digest)
         if plane in COLLECTIVE_PLANES:
             self.collective = CollectiveSender(coord, plane, collective_world, bind_host, advertise_host, device)
         elif plane == "ipc":  # the store is two device buffers, no server: subscribers map them
@@ -149,7 +150,8 @@ class WeightPublisher:
         writer.check_complete()
         manifest["state"] = "complete"
         manifest["buckets"] = layout.buckets
-        self.coord.publish_version(version, manifest, keep=self.keep, encoded=self._json.encode(manifest))
+        encoded, table = self._json.encode(manifest)
+        self.coord.publish_version(version, manifest, keep=self.keep, encoded=encoded, table=table)
         self.collect()
         return {"weights/gather_s": gather_s, "weights/write_s": write_s,
                 "weights/publish_s": time.perf_counter() - t0, "weights/bytes": float(layout.total_bytes),
