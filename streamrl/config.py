@@ -414,7 +414,8 @@ class LearnerConfig:
     experts_impl: str = "auto"
     """Expert MLP kernel: auto (grouped_mm on CUDA, loop on CPU), grouped_mm (also on CPU: bf16 only there), loop."""
     mixed_precision: bool = True
-    """On CUDA: bf16 parameters in forward/backward with fp32 gradient reduction (FSDP2)."""
+    """On CUDA: bf16 parameters in forward/backward with fp32 gradient reduction and model.dtype master weights
+    (FSDP2; one GPU too, on a 1-rank mesh). CPU learners always compute in model.dtype."""
     router_freeze_steps: int = 0
     """Keep MoE router weights frozen for this many steps (warm-up)."""
     router_unfreeze_min_entropy: float = 0.0

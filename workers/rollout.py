@@ -103,8 +103,8 @@ class RolloutWorker:
             cfg.rollout.device = args.device
         self.incarnation = self.coord.next_incarnation(self.wid)
         torch.manual_seed(hash((cfg.run.seed, self.wid, self.incarnation)) & 0x7FFFFFFF)
-        model, self.tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
-        self.engine = build_engine(cfg, model, self.tok)
+        model, self.tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)  # the learner's model.dtype
+        self.engine = build_engine(cfg, model, self.tok)  # hf engines cast it to rollout.dtype, in place
         task = build_task(cfg.task)
         self.reference, self.probes = self._parity_reference(model, task)
         problems = build_prompt_source(cfg, task, cfg.run.seed * 7919 + self.incarnation,

@@ -4,7 +4,9 @@ After every weight update a worker can score the same probe sequences (prompt + 
 answer) in its engine and in a transformers copy of the learner's model holding the same
 weights. Token log-probs should agree to float precision; a gap means the engine computes
 a different policy than the learner trains (kernel numerics, a stale cache, a bad weight
-conversion), which biases the importance weights.
+conversion), which biases the importance weights. An engine in a lower ``rollout.dtype`` than
+the learner's ``model.dtype`` differs by its rounding too: that gap is expected, and it is what
+the learner's importance weights correct (the reference stays in ``model.dtype``).
 
 ``rollout/mismatch_kl`` is the mean over probe tokens of the k3 estimator
 ``exp(d) - 1 - d`` with ``d = log p_learner - log p_engine`` (>= 0, 0 iff equal; it is the

@@ -40,11 +40,12 @@ from streamrl.learner.step_loss import ForwardOutputs, LossTargets, StepLoss
 from streamrl.learner.warmup import synthetic_batch
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.models.moe import find_moe_blocks
-from streamrl.parallel.expert_parallel import full_parameter, global_param_specs, parallelize
+from streamrl.parallel.expert_parallel import full_parameter, global_param_specs, parallelize, shard_policy
 from streamrl.parallel.grad_clip import clip_grad_norm_on_device
 from streamrl.parallel.mesh import build_mesh
 from streamrl.roles.reference import load_reference_model, reference_role_configured, served_ref_logprobs
 from streamrl.trajectory import num_trajectories
+from streamrl.utils import use_tf32
 
 Plan = tuple[LazyMicroBatches, list[float]]  # this rank's micro-batches, the global token weight of each index
 
@@ -79,12 +80,15 @@ class Trainer:
         self.device = torch.device("cpu")
         if lc.device.startswith("cuda"):
             self.device = torch.device("cuda", torch.cuda.current_device())
+        use_tf32(self.device)  # the fp32 matmuls that remain (fp32 model without mixed precision, the head)
         self.top_k = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
         self.vocab_size = int(model.config.vocab_size)
         hf_blocks = find_moe_blocks(model)
         self.num_experts = int(hf_blocks[0][1].experts.gate_up_proj.shape[0]) if hf_blocks else 0
         self.is_moe = bool(hf_blocks)
-        self.mesh = build_mesh(lc.ep, self.device.type, self.num_experts)
+        # One process is FSDP-wrapped too when that gives it mixed precision (shard_policy).
+        wrap_one = shard_policy(1, self.device.type, lc.mixed_precision) is not None
+        self.mesh = build_mesh(lc.ep, self.device.type, self.num_experts, single_rank=wrap_one)
         self.ref_model = None  # None with kl_coef > 0: the reference role scores (ref_logprobs in the batch)
         if lc.kl_coef > 0 and not reference_role_configured(cfg) and self.lora is None:
             self.ref_model = load_reference_model(cfg, model)

@@ -83,13 +83,23 @@ class LearnerMesh:
         return self.dp_mesh.get_group() if self.dp_mesh is not None else None
 
 
-def build_mesh(ep: int = 1, device_type: str = "cpu", num_experts: int = 0) -> LearnerMesh:
-    """Validate ``ep`` against the world size (and experts) and build the meshes."""
+def build_mesh(ep: int = 1, device_type: str = "cpu", num_experts: int = 0, single_rank: bool = False) -> LearnerMesh:
+    """Validate ``ep`` against the world size (and experts) and build the meshes.
+
+    One process gets no meshes unless ``single_rank``: then 1-rank meshes, so FSDP2 can wrap the
+    model for its mixed-precision policy alone (see
+    :func:`~streamrl.parallel.expert_parallel.shard_policy`); a process started without a process
+    group (not by torchrun) gets a 1-rank one first.
+    """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     dims = ParallelDims(world, ep).validate(num_experts)
-    if world == 1:
+    if world == 1 and not single_rank:
         return LearnerMesh(dims, rank)
+    if not dist.is_initialized():
+        # A device mesh needs the default group. In-process store: one rank has no peer to meet.
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
     dp = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     m2 = init_device_mesh(device_type, (dims.dp_shard, dims.ep), mesh_dim_names=("dp_shard", "ep"))
     expert = None

@@ -1,0 +1,122 @@
+"""Mixed precision in one learner process: FSDP2 on a 1-rank mesh, as at world > 1.
+
+The decision (:func:`~streamrl.parallel.expert_parallel.shard_policy`) is pure and tested for
+every case. CUDA is what turns the wrapping on, and this box has none, so the wrapped path is
+forced on a 1-rank gloo process: with a cast-free policy it must train, checkpoint, resume and
+publish exactly what the unwrapped learner does; with the bf16 policy the layers compute in bf16
+while parameters, gradients and AdamW state stay float32.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from streamrl.config import load_config
+from streamrl.learner.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from streamrl.learner.trainer import Trainer
+from streamrl.parallel.expert_parallel import shard_policy
+
+from tests.dist_helpers import spawn_gloo
+
+from test_checkpoint import REPO, make_batch
+
+BF16 = (torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("world, device, mixed, want", [
+    (1, "cuda", True, BF16),   # the case this exists for: one GPU, fp32 masters, bf16 compute
+    (2, "cuda", True, BF16),
+    (1, "cuda", False, None),  # pure fp32 (or pure bf16 with model.dtype = bfloat16), unwrapped
+    (1, "cpu", True, None),    # CPU: mixed precision is CUDA-only, one process stays as it was
+    (2, "cpu", True, (None, None)),
+    (2, "cuda", False, (None, None)),
+])
+def test_shard_policy(world, device, mixed, want):
+    mp = shard_policy(world, device, mixed)
+    assert (None if mp is None else (mp.param_dtype, mp.reduce_dtype)) == want
+
+
+def _cfg(tmp: pathlib.Path):
+    return load_config(f"{REPO}/configs/tiny.yaml", [f"run.run_dir={tmp}", "learner.lr=1e-2"])
+
+
+def _params(tr) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for (name, _, _), t in zip(tr.param_specs, tr.full_tensors())}
+
+
+def _train(tmp: pathlib.Path, steps: int, save_at: int | None = None, resume: bool = False):
+    """(losses, published params) after ``steps`` steps, from the latest checkpoint when ``resume``."""
+    torch.manual_seed(0)
+    tr = Trainer(_cfg(tmp))
+    start = load_checkpoint(latest_checkpoint(tmp / "ck"), tr)[0]["step"] if resume else 0
+    losses = []
+    for s in range(start, steps):
+        losses.append(tr.step(make_batch(100 + s))["learner/loss"])
+        if save_at == s + 1:
+            save_checkpoint(tmp / "ck", s + 1, tr, {"version": s + 1})
+    return losses, _params(tr), tr
+
+
+def _wrapped_one_rank(rank, world, tmp):
+    """On a 1-rank gloo group: the trainer with its model FSDP-wrapped (forced: no CUDA here)."""
+    import streamrl.learner.trainer as trainer_mod
+    import streamrl.parallel.expert_parallel as ep_mod
+
+    assert world == 1
+    cast_free = lambda world, device_type, mixed_precision: MixedPrecisionPolicy()  # noqa: E731
+    trainer_mod.shard_policy = ep_mod.shard_policy = cast_free
+    tmp = pathlib.Path(tmp)
+    losses, params, tr = _train(tmp / "w", 4, save_at=2)
+    wrapped = all(isinstance(p, DTensor) for p in tr.model.parameters())
+    resumed = _train(tmp / "w", 4, resume=True)
+    return {"wrapped": wrapped, "losses": losses, "params": params,
+            "resumed_losses": resumed[0], "resumed_params": resumed[1]}
+
+
+def _bf16_compute_one_rank(rank, world):
+    """The bf16 policy on a 1-rank mesh: what dtypes the layers, gradients and AdamW see."""
+    from streamrl.models.factory import build_model
+    from streamrl.parallel.expert_parallel import parallelize, shard_model
+    from streamrl.parallel.mesh import build_mesh
+
+    model, _ = build_model(load_config(f"{REPO}/configs/tiny.yaml", []).model, seed=0)
+    mesh = build_mesh(1, "cpu", 4, single_rank=True)
+    blocks = parallelize(model, mesh, torch.device("cpu"), mixed_precision=False)  # CPU: left unwrapped
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    shard_model(model, blocks, mesh, shard_policy(1, "cuda", True))
+    seen = []
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 5, 6, 7]])).logits.float().sum().backward()
+    opt.step()
+    return {"layer": [str(d) for d in seen[0]],
+            "params": sorted({str(p.dtype) for p in model.parameters()}),
+            "grads": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+            "adam": sorted({str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim() > 0})}
+
+
+@pytest.mark.timeout(300)
+def test_wrapped_one_rank_trains_resumes_and_publishes_like_unwrapped(tmp_path):
+    ref_losses, ref_params, tr = _train(tmp_path / "ref", 4)
+    assert not any(isinstance(p, DTensor) for p in tr.model.parameters())  # CPU: unwrapped by default
+    out = spawn_gloo(_wrapped_one_rank, 1, str(tmp_path), timeout_s=240)[0]
+    assert out["wrapped"]
+    assert out["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert out["params"].keys() == ref_params.keys()
+    for k, v in ref_params.items():
+        assert out["params"][k].dtype == v.dtype and torch.allclose(out["params"][k], v, atol=1e-6, rtol=0), k
+    # DCP checkpoint of the wrapped model: the resumed run is the uninterrupted one, bit for bit
+    assert out["resumed_losses"] == out["losses"][2:]
+    for k, v in out["params"].items():
+        assert torch.equal(out["resumed_params"][k], v), k
+
+
+@pytest.mark.timeout(120)
+def test_bf16_policy_on_one_rank_computes_bf16_over_fp32_masters():
+    out = spawn_gloo(_bf16_compute_one_rank, 1, timeout_s=100)[0]
+    assert out["layer"] == ["torch.bfloat16", "torch.bfloat16"]
+    assert out["params"] == out["grads"] == out["adam"] == ["torch.float32"]
