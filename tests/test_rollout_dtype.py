@@ -81,6 +81,11 @@ def test_bf16_engine_merges_adapters_from_the_float32_base(engine):
         assert torch.equal(got, merged_weight(w0, a, b, 2.0).to(torch.bfloat16))
         # merging from the rounded base would round twice: some weights would differ by one bf16 step
         assert not torch.equal(got, merged_weight(w0.to(torch.bfloat16), a, b, 2.0))
+        # a full version is the new base, kept in the learner's dtype too
+        full = _version(cfg, seed=cfg.run.seed + 1)
+        eng.load_weights(full.items())
+        eng.load_weights(version.items())
+        assert torch.equal(got, merged_weight(full[name], a, b, 2.0).to(torch.bfloat16))
     finally:
         eng.close()
 

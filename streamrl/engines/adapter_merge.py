@@ -46,14 +46,16 @@ class EngineWeights:
 
     def __init__(self, params: dict[str, torch.Tensor], base: dict[str, torch.Tensor] | None = None):
         self.params = params
-        self.master = dict(base or {})  # W0 in the learner's dtype, kept across full versions' resets
+        self.master = dict(base or {})  # the adapted projections' W0 in the learner's dtype (cast engines)
         self.base: dict[str, torch.Tensor] = {}  # W0 of each adapted projection (adapter versions)
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         items = list(named_tensors)
         if not is_adapter_version([n for n, _ in items]):
             copy_weights_all_or_nothing(self.params, items)
-            self.base, self.master = {}, {}  # a full version is the new base
+            # a full version is the new base; a cast engine keeps its adapted projections unrounded
+            named = dict(items)
+            self.base, self.master = {}, {n: named[n].detach().clone() for n in self.master}
             return
         named = dict(items)
         scaling = float(named[SCALING_NAME].reshape(-1)[0])
