@@ -40,12 +40,40 @@ def test_shard_policy(world, device, mixed, want):
     assert (None if mp is None else (mp.param_dtype, mp.reduce_dtype)) == want
 
 
-def _cfg(tmp: pathlib.Path):
-    return load_config(f"{REPO}/configs/tiny.yaml", [f"run.run_dir={tmp}", "learner.lr=1e-2"])
+# The learner features that wrap or read the model: LoRA (adapters gathered from their shards),
+# the in-learner reference model (wrapped like the policy), activation checkpointing.
+VARIANTS = {
+    "lora": ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj]"],
+    "reference": ["learner.kl_coef=0.1"],
+    "activation_checkpointing": ["learner.activation_checkpointing=true"],
+}
+
+
+def _cfg(tmp: pathlib.Path, extra=()):
+    return load_config(f"{REPO}/configs/tiny.yaml", [f"run.run_dir={tmp}", "learner.lr=1e-2", *extra])
 
 
 def _params(tr) -> dict[str, torch.Tensor]:
-    return {name: t.clone() for (name, _, _), t in zip(tr.param_specs, tr.full_tensors())}
+    """What the learner publishes, by spec name (an adapter pack's pieces concatenated)."""
+    return {name: (torch.cat(t) if isinstance(t, list) else t).clone()
+            for (name, _, _), t in zip(tr.param_specs, tr.full_tensors())}
+
+
+def _force_wrapping() -> None:
+    """Make the one-process learner FSDP-wrap its model on CPU (a cast-free policy: same math)."""
+    import streamrl.learner.trainer as trainer_mod
+    import streamrl.parallel.expert_parallel as ep_mod
+
+    cast_free = lambda world, device_type, mixed_precision: MixedPrecisionPolicy()  # noqa: E731
+    trainer_mod.shard_policy = ep_mod.shard_policy = cast_free
+
+
+def _variant_steps(tmp: pathlib.Path, extra) -> dict:
+    torch.manual_seed(0)
+    tr = Trainer(_cfg(tmp, extra))
+    losses = [tr.step(make_batch(100 + s))["learner/loss"] for s in range(2)]
+    wrapped = any(isinstance(p, DTensor) for p in tr.model.parameters())
+    return {"wrapped": wrapped, "losses": losses, "params": _params(tr)}
 
 
 def _train(tmp: pathlib.Path, steps: int, save_at: int | None = None, resume: bool = False):
@@ -63,12 +91,8 @@ def _train(tmp: pathlib.Path, steps: int, save_at: int | None = None, resume: bo
 
 def _wrapped_one_rank(rank, world, tmp):
     """On a 1-rank gloo group: the trainer with its model FSDP-wrapped (forced: no CUDA here)."""
-    import streamrl.learner.trainer as trainer_mod
-    import streamrl.parallel.expert_parallel as ep_mod
-
     assert world == 1
-    cast_free = lambda world, device_type, mixed_precision: MixedPrecisionPolicy()  # noqa: E731
-    trainer_mod.shard_policy = ep_mod.shard_policy = cast_free
+    _force_wrapping()
     tmp = pathlib.Path(tmp)
     losses, params, tr = _train(tmp / "w", 4, save_at=2)
     wrapped = all(isinstance(p, DTensor) for p in tr.model.parameters())
@@ -113,6 +137,23 @@ def test_wrapped_one_rank_trains_resumes_and_publishes_like_unwrapped(tmp_path):
     assert out["resumed_losses"] == out["losses"][2:]
     for k, v in out["params"].items():
         assert torch.equal(out["resumed_params"][k], v), k
+
+
+def _wrapped_variants(rank, world, tmp):
+    _force_wrapping()
+    return {k: _variant_steps(pathlib.Path(tmp) / k, extra) for k, extra in VARIANTS.items()}
+
+
+@pytest.mark.timeout(300)
+def test_wrapped_one_rank_lora_reference_and_checkpointing_match_unwrapped(tmp_path):
+    out = spawn_gloo(_wrapped_variants, 1, str(tmp_path / "w"), timeout_s=240)[0]
+    for k, extra in VARIANTS.items():
+        ref = _variant_steps(tmp_path / "ref" / k, extra)
+        assert out[k]["wrapped"] and not ref["wrapped"], k
+        assert out[k]["losses"] == pytest.approx(ref["losses"], rel=1e-5), k
+        assert out[k]["params"].keys() == ref["params"].keys(), k
+        for n, v in ref["params"].items():
+            assert torch.allclose(out[k]["params"][n], v, atol=1e-6, rtol=0), (k, n)
 
 
 @pytest.mark.timeout(120)
