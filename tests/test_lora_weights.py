@@ -7,9 +7,11 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from streamrl.coord.coordinator import Coordinator
 from streamrl.engines.factory import build_engine
+from streamrl.learner.lora_policy import PackedGather
 from streamrl.learner.trainer import Trainer
 from streamrl.models.factory import build_model
 from streamrl.models.lora import base_weight_name, merged_weight
@@ -126,3 +128,29 @@ def test_packed_manifest_entry_round_trips_and_malformed_parts_are_refused():
         entry = dict(manifest["tensors"][0], parts=bad)
         with pytest.raises(ValueError, match="field 'parts'"):
             Layout([entry], manifest["buckets"], manifest["total_bytes"]).check()
+
+
+def test_plain_adapters_live_in_the_pack_and_a_replaced_storage_is_seen():
+    """Unsharded adapters are moved into one buffer, the pack itself (one piece: the publisher
+    copies it in one op); a step writes through the parameters into it, and a parameter whose
+    storage was replaced (``p.data = ...``) is seen, its values in the next pack."""
+    mods = [nn.Linear(3, 2, bias=False), nn.Linear(2, 4, bias=False)]
+    params = [m.weight for m in mods]
+    opt = torch.optim.AdamW(params, lr=0.1)
+    gather, tail = PackedGather(mods), torch.tensor([2.0])
+
+    def want():
+        return torch.cat([m.weight.detach().reshape(-1) for m in mods] + [tail])
+
+    before = want()
+    (pack,) = gather([tail])
+    assert torch.equal(pack, before) and all(m.weight is p for m, p in zip(mods, params))
+    assert [p.data_ptr() for p in params] == [pack.data_ptr(), pack.data_ptr() + 6 * 4]
+    sum((m.weight ** 2).sum() for m in mods).backward()
+    opt.step()
+    (again,) = gather([tail])
+    assert again is pack and torch.equal(again, want()) and not torch.equal(again, before)
+    mods[1].weight.data = torch.full((4, 2), 7.0)
+    (rebuilt,) = gather([tail])
+    assert torch.equal(rebuilt, want()) and bool(rebuilt[6:14].eq(7).all())
+    assert gather([torch.tensor([5.0])])[0][-1].item() == 5.0

@@ -101,8 +101,9 @@ class LoraPolicy:
         """The packed tensors of :meth:`specs`, in order, each as its pieces (1-d tensors whose
         concatenation is the pack [N]: the full adapters of one dtype back to back, then the
         scaling), made with one collective (every rank iterates; the adapters are dense, sharded,
-        or not, over their own DTensor mesh). The pieces may be views of the parameters: the
-        publisher copies them (``torch.cat(pieces)`` for a pack of your own)."""
+        or not, over their own DTensor mesh). The pieces may be the parameters' own memory
+        (unsharded: the buffer they are views of): the publisher copies them, read-only
+        (``torch.cat(pieces)`` for a pack of your own)."""
         for spec, gather in self._plan():
             yield gather([self._scaling] if spec[1] == torch.float32 else [])
 
@@ -117,7 +118,12 @@ class PackedGather:
     whose concatenation is the pack [sum of the adapters' numels] (then a tail), handed to the
     publisher, which concatenates them straight into its store (one op, no pack buffer).
 
-    Plain tensors: their flat views. FSDP2 shards (DTensors, ``Shard(0)`` on one 1-d mesh, the
+    Plain tensors (no FSDP): at the first call they are moved into one flat buffer, the pack
+    itself ([adapters back to back, then the tail]), and each parameter's ``data`` becomes a view
+    of it, as a flat-parameter optimizer would; the pieces are then that one buffer, so the
+    publisher copies the pack in one op, with no per-adapter work. A parameter whose storage
+    was replaced since (``p.data = ...``, ``model.to(...)``) is seen by its address and the
+    buffer is built again. FSDP2 shards (DTensors, ``Shard(0)`` on one 1-d mesh, the
     dense parameters' placement) are gathered in one collective instead of one per tensor: each
     rank concatenates its local rows of every adapter (zero-padded to the longest rank's),
     ``all_gather`` brings every rank's block, and the full adapter ``i`` is rank 0's rows of it,
@@ -134,21 +140,31 @@ class PackedGather:
     def __init__(self, modules: list[nn.Module]):
         self.modules = modules
         self.numels: list[list[int]] | None = None  # [rank][adapter] local numels, learned once
-        # Unsharded adapters (no FSDP: the registered parameters never change) and their flat
-        # views, kept by storage address (a parameter whose storage was replaced is seen): a few
-        # hundred attribute reads and reshapes per version cost more than the copy.
+        # Unsharded adapters (no FSDP: the registered parameters never change) and the flat buffer
+        # they live in, with the addresses they had when it was built: a few hundred views and a
+        # concatenation of as many pieces per version cost as much as the copy itself.
         self._plain: list[torch.Tensor] | None = None
-        self._flat: tuple[list[int], list[torch.Tensor]] | None = None
+        self._flat: tuple[list[int], torch.Tensor] | None = None  # (addresses, pack [adapters + tail])
+        self._flat_numel = 0  # the adapters' elements in it
+        self._tail: torch.Tensor | None = None  # the rest of it: the tail's span
 
     @torch.no_grad()
     def __call__(self, tail: list[torch.Tensor]) -> list[torch.Tensor]:
         """The pack's pieces (1-d, one dtype), ``tail`` (on the adapters' device) last."""
         if self._plain is not None:  # unsharded: the same parameters every version
             params = self._plain
-            ptrs = [p.data_ptr() for p in params]
-            if self._flat is None or self._flat[0] != ptrs:
-                self._flat = (ptrs, [p.detach().reshape(-1) for p in params])
-            return self._flat[1] + ([t.to(params[0].device) for t in tail] if params else tail)
+            if not params:
+                return tail
+            ntail = sum(t.numel() for t in tail)
+            flat = self._flat[1] if self._flat is not None else None
+            if (flat is None or self._flat[0] != list(map(torch.Tensor.data_ptr, params))
+                    or flat.numel() != self._flat_numel + ntail):
+                flat = self._flatten(params, ntail)
+            if len(tail) == 1:  # the scaling: a copy_ costs a third of a cat's out= checks
+                self._tail.copy_(tail[0])
+            elif tail:
+                torch.cat([t.to(flat.device) for t in tail], out=self._tail)
+            return [flat]
         params = [m.weight for m in self.modules]
         if not params or not isinstance(params[0], DTensor):
             self._plain = params
@@ -171,6 +187,23 @@ class PackedGather:
                 pieces.append(blocks[r][starts[r]: starts[r] + numels[r][i]])
                 starts[r] += numels[r][i]
         return pieces + tail
+
+    def _flatten(self, params: list[torch.Tensor], ntail: int) -> torch.Tensor:
+        """Move ``params`` (one device and dtype) into a new flat buffer [their numels + ``ntail``],
+        each parameter's ``data`` a view of its span (values, requires_grad, gradients and the
+        optimizer's state of the parameter object unchanged); returns the buffer."""
+        if len({p.device for p in params}) > 1:
+            raise ValueError(f"LoRA adapters of one dtype on several devices {sorted({str(p.device) for p in params})}: "
+                             f"expected one (the model's)")
+        n = sum(p.numel() for p in params)
+        flat = torch.empty(n + ntail, dtype=params[0].dtype, device=params[0].device)
+        torch.cat([p.detach().reshape(-1) for p in params], out=flat[:n])
+        start = 0
+        for p in params:
+            p.data = flat[start: start + p.numel()].view(p.shape)
+            start += p.numel()
+        self._flat, self._flat_numel, self._tail = ([p.data_ptr() for p in params], flat), n, flat[n:]
+        return flat
 
     @staticmethod
     def _learn_numels(params: list[DTensor], local: list[torch.Tensor]) -> list[list[int]]:
