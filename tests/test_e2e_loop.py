@@ -5,7 +5,8 @@ import json
 import subprocess
 
 import pytest
-import yaml
+
+from tests.launch_helpers import launch_tiny
 
 
 @pytest.mark.timeout(300)
@@ -38,18 +39,9 @@ def test_launch_tiny_learns(tmp_path, repo, python):
 def test_launch_tiny_streaming_completes_with_ledger_balanced(tmp_path, repo, python):
     """rollout.streaming on hf_fast: one worker streams groups (slots refilled as samples finish,
     per-token versions through the in-flight hook); the run trains every step and its ledger balances."""
-    cfg = yaml.safe_load((repo / "configs/tiny.yaml").read_text())
-    cfg["rollout"].update(engine="hf_fast", streaming=True, max_model_len=64)
-    cfg["learner"].update(groups_per_step=4, max_staleness=1)
-    (tmp_path / "stream.yaml").write_text(yaml.safe_dump(cfg))
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [python, "-m", "streamrl.launcher.launch", "--config", str(tmp_path / "stream.yaml"),
-         "--learners", "1", "--rollers", "1", "--steps", "12", "--run-dir", str(run_dir)],
-        cwd=repo, capture_output=True, text=True, timeout=280,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
+    cfg, summary = launch_tiny(tmp_path, repo, python, steps=12,
+                               rollout={"engine": "hf_fast", "streaming": True, "max_model_len": 64},
+                               learner={"groups_per_step": 4, "max_staleness": 1})
     acc = summary["accounting"]
     assert summary["steps"] == 12, summary
     assert acc["balanced"] and acc["duplicated"] == 0, acc

@@ -6,18 +6,15 @@ versions), and merges adapter versions from the float32 ``W0`` (one rounding, no
 """
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 import torch
-import yaml
 
 from streamrl.config import load_config
 from streamrl.engines.factory import build_engine
 from streamrl.engines.precision import cast_for_engine, engine_dtype_name
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.models.lora import SCALING_NAME, merged_weight
+from tests.launch_helpers import launch_tiny
 
 ENGINES = ["hf", "hf_fast"]
 
@@ -100,19 +97,9 @@ def test_cast_keeps_no_base_when_dtypes_agree():
 @pytest.mark.timeout(300)
 def test_launch_bf16_rollout_on_a_float32_model_balances_its_ledger(tmp_path, repo, python):
     """A real run: float32 learner, bf16 hf_fast worker; every step trains, the ledger balances."""
-    cfg = yaml.safe_load((repo / "configs/tiny.yaml").read_text())
-    cfg.setdefault("model", {})["dtype"] = "float32"
-    cfg["rollout"].update(engine="hf_fast", dtype="bfloat16", max_model_len=64)
-    cfg["learner"].update(groups_per_step=4)
-    (tmp_path / "bf16.yaml").write_text(yaml.safe_dump(cfg))
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [python, "-m", "streamrl.launcher.launch", "--config", str(tmp_path / "bf16.yaml"),
-         "--learners", "1", "--rollers", "1", "--steps", "6", "--run-dir", str(run_dir)],
-        cwd=repo, capture_output=True, text=True, timeout=280,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
+    _, summary = launch_tiny(tmp_path, repo, python, steps=6, model={"dtype": "float32"},
+                             rollout={"engine": "hf_fast", "dtype": "bfloat16", "max_model_len": 64},
+                             learner={"groups_per_step": 4})
     acc = summary["accounting"]
     assert summary["steps"] == 6, summary
     assert acc["balanced"] and acc["duplicated"] == 0, acc
