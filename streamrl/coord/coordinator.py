@@ -4,7 +4,8 @@ All processes talk to Redis only through this class. Connections retry with boun
 exponential backoff for up to ``OUTAGE_S`` (:class:`OutageRetry`, one log line when Redis goes
 away and one when it is back), so a Redis restart costs a pause, not a crash. The embedded
 Redis keeps nothing across a restart: owners re-assert their keys (the learner: config,
-endpoint, version + manifest, capacity; see ``reassert_version`` and ``set_capacity``).
+endpoint, version + manifest and its tensor table, capacity; see ``reassert_version`` and
+``set_capacity``).
 """
 from __future__ import annotations
 
