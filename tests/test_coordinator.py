@@ -1,12 +1,14 @@
 """Coordinator control plane over a real Redis: versions, GC, notifications, acks, heartbeats."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 
-from streamrl.coord.coordinator import Coordinator
+from streamrl.coord.coordinator import TABLE_CACHE, Coordinator
+from streamrl.weights.manifest import TABLE_REF, Table
 
 
 @pytest.mark.timeout(30)
@@ -155,3 +157,16 @@ def test_wait_config_waits_for_a_config_stored_late_and_names_the_run_when_none_
         timer.cancel()
     with pytest.raises(TimeoutError, match=f"no config in Redis for run {run_id}-other"):
         Coordinator(redis_url, f"{run_id}-other").wait_config(timeout_s=0.2)
+
+
+@pytest.mark.timeout(30)
+def test_manifests_name_tables_that_readers_cache_boundedly(redis_url, run_id):
+    """publish_version stores a named table when Redis lacks it; a reader resolves each digest
+    once and keeps at most TABLE_CACHE tables."""
+    c, reader = Coordinator(redis_url, run_id), Coordinator(redis_url, run_id)
+    for v in range(TABLE_CACHE + 2):
+        table = Table.of(json.dumps([{"name": f"t{v}", "shape": [v]}]))
+        c.publish_version(v, {}, keep=TABLE_CACHE + 4, encoded=json.dumps({TABLE_REF: table.digest, "v": v}), table=table)
+        assert reader.manifest(v) == {"v": v, "tensors": [{"name": f"t{v}", "shape": [v]}]}
+    assert len(reader._tables) == TABLE_CACHE
+    assert reader.manifest(0)["tensors"] == [{"name": "t0", "shape": [0]}]  # evicted: read again

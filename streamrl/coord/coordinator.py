@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from typing import Any
 from urllib.parse import urlparse
@@ -154,6 +155,7 @@ class Coordinator:
         """(version, manifest) of the newest :meth:`publish_version` call, for :meth:`reassert_version`."""
         self._last_stored: tuple[str, Table | None] | None = None  # that manifest as stored, and its table
         self._tables: dict[str, list] = {}  # digest -> decoded tensor table (checked once), oldest first
+        self._tables_lock = threading.Lock()  # a subscriber and its collective receiver thread share it
 
     def set_outage_s(self, outage_s: float) -> None:
         """Bound each Redis call's retries of a lost connection by ``outage_s`` from now on (the run
@@ -261,9 +263,11 @@ class Coordinator:
             log.warning("weights tensor table %s... is not in Redis (lost with its state?); its versions "
                         "are unavailable until the learner stores it again", digest[:16])
             return None
-        table = self._tables[digest] = decode_table(digest, text)
-        while len(self._tables) > TABLE_CACHE:
-            del self._tables[next(iter(self._tables))]
+        table = decode_table(digest, text)
+        with self._tables_lock:
+            self._tables[digest] = table
+            while len(self._tables) > TABLE_CACHE:
+                del self._tables[next(iter(self._tables))]
         return table
 
     # -- weights: streaming publication, GC, waiting (used by streamrl.weights) -------------
