@@ -127,6 +127,9 @@ class RolloutWorker:
         self._last_poll = 0.0
         self._refused_since: float | None = None  # monotonic time admission was first refused in a row
         self.inflight_loads = 0
+        # the engine's in-flight weights hook is on with rollout.inflight_updates, and always when
+        # streaming: an endless generation has no batch boundary to load new weights at
+        self.inflight = cfg.rollout.inflight_updates or cfg.rollout.streaming
         # decode with the colocated CPU learner's cores while it waits for data (streamrl.core_lending)
         self.borrower = make_core_borrower(cfg, self.coord)
 
@@ -200,8 +203,7 @@ class RolloutWorker:
         """The engine's per-step hook: take or give back the learner's threads (core borrowing),
         then the in-flight update check if that is on."""
         self.borrower.apply()
-        rc = self.cfg.rollout
-        return self.between_steps() if rc.inflight_updates or rc.streaming else None
+        return self.between_steps() if self.inflight else None
 
     def _with_reference(self, target) -> list:
         return [self.reference, target] if self.reference is not None else [target]
@@ -328,8 +330,7 @@ class RolloutWorker:
         """The engine's per-step hook: core borrowing and/or in-flight updates (streaming implies them)."""
         if self.borrower is not None:
             return self._step_hook
-        rc = self.cfg.rollout
-        return self.between_steps if rc.inflight_updates or rc.streaming else None
+        return self.between_steps if self.inflight else None
 
     def _stream(self, sender: TrajectorySender, totals: dict) -> None:
         """Streaming mode: one endless generation until stop (stop key or signal), then drain.
@@ -372,18 +373,16 @@ class RolloutWorker:
                 self.log.warning("refund of %d undelivered group(s) failed: %s", flow["reserved"] - flow["sent"], e)
 
     def _reserve(self, k: int, sender: TrajectorySender, totals: dict, flow: dict) -> int:
-        """Streaming admission: reserve up to ``k`` groups now (halving ``k`` until the staleness
-        budget takes it); refused with nothing in flight: :meth:`_refused` (wait, deadline)."""
+        """Streaming admission: reserve as many of ``k`` groups as the staleness budget takes now (one
+        Redis call); refused with nothing in flight: :meth:`_refused` (wait, deadline)."""
         lc = self.cfg.learner
-        n = k
-        while n >= 1:
-            if self.coord.try_reserve(n, lc.max_staleness, lc.groups_per_step):
-                self._refused_since = None
-                flow["reserved"] += n
-                if self.state != GENERATING:
-                    self.heartbeat(GENERATING, liveness.GENERATING)
-                return n
-            n //= 2
+        n = self.coord.try_reserve_up_to(k, lc.max_staleness, lc.groups_per_step)
+        if n > 0:
+            self._refused_since = None
+            flow["reserved"] += n
+            if self.state != GENERATING:
+                self.heartbeat(GENERATING, liveness.GENERATING)
+            return n
         if self.roller.in_flight:  # slots still busy: ask again at the next sync
             self._refused_since = None
             return 0

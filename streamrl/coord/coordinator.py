@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 # only while reserved - refunded + n <= (version + bound + 1) * groups_per_step, where bound is
 # min(the bound the learner publishes (adaptive staleness), the worker's max_staleness); no
 # published bound = the worker's. So no worker runs more than bound versions ahead of the learner.
+# KEYS = reserved, refunded, version, staleness bound; ARGV = groups, max_staleness, groups_per_step,
+# "1" for all or nothing (a batch) or "0" for as many as fit, up to groups (a stream's free slots).
+# Returns the groups reserved, or -1 when none were (refused, or no version published yet).
 _RESERVE = """
 local reserved = tonumber(redis.call('GET', KEYS[1]) or '0')
 local refunded = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -37,10 +40,14 @@ if version < 0 then return -1 end
 local bound = tonumber(ARGV[2])
 local published = tonumber(redis.call('GET', KEYS[4]) or '')
 if published ~= nil and published < bound then bound = published end
-local limit = (version + bound + 1) * tonumber(ARGV[3])
-if reserved - refunded + tonumber(ARGV[1]) > limit then return 0 end
-redis.call('INCRBY', KEYS[1], ARGV[1])
-return 1
+local room = (version + bound + 1) * tonumber(ARGV[3]) - (reserved - refunded)
+local n = tonumber(ARGV[1])
+if n > room then
+  if ARGV[4] == '1' or room <= 0 then return -1 end
+  n = room
+end
+redis.call('INCRBY', KEYS[1], n)
+return n
 """
 
 
@@ -409,13 +416,19 @@ class Coordinator:
 
     # -- admission control ---------------------------------------------------------------
     def try_reserve(self, groups: int, max_staleness: int, groups_per_step: int) -> bool:
-        """Reserve ``groups`` prompt groups if the staleness budget allows it: at most
-        min(:meth:`staleness_bound`, ``max_staleness``) versions ahead of the learner."""
-        res = self._reserve(
-            keys=[self.keys.reserved, self.keys.refunded, self.keys.version, self.keys.staleness_bound],
-            args=[groups, max_staleness, groups_per_step],
-        )
-        return int(res) == 1
+        """Reserve all ``groups`` prompt groups or none (a batch needs all), as the staleness budget
+        allows: at most min(:meth:`staleness_bound`, ``max_staleness``) versions ahead of the learner."""
+        return self._reserve_groups(groups, max_staleness, groups_per_step, all_or_nothing=True) == groups
+
+    def try_reserve_up_to(self, groups: int, max_staleness: int, groups_per_step: int) -> int:
+        """Reserve as many prompt groups as the staleness budget allows, at most ``groups``, in one
+        atomic call (the rule of :meth:`try_reserve`); returns how many were reserved, 0..``groups``."""
+        return max(self._reserve_groups(groups, max_staleness, groups_per_step, all_or_nothing=False), 0)
+
+    def _reserve_groups(self, groups: int, max_staleness: int, groups_per_step: int, all_or_nothing: bool) -> int:
+        k = self.keys
+        return int(self._reserve(keys=[k.reserved, k.refunded, k.version, k.staleness_bound],
+                                 args=[groups, max_staleness, groups_per_step, "1" if all_or_nothing else "0"]))
 
     def set_staleness_bound(self, bound: int) -> None:
         """Publish the admission bound the learner chose (:mod:`streamrl.learner.staleness_control`)."""
