@@ -88,9 +88,8 @@ def copy_weights_all_or_nothing(params: dict[str, torch.Tensor], named_tensors: 
     for name, t in items:
         if tuple(t.shape) != tuple(params[name].shape):
             raise ValueError(f"{name}: shape {tuple(t.shape)} != engine {tuple(params[name].shape)}")
-    with torch.no_grad():
-        for name, t in items:
-            params[name].copy_(t)
+    with torch.no_grad():  # one call: per-tensor copy_ launches bound a device-to-device load
+        torch._foreach_copy_([params[name] for name, _ in items], [t for _, t in items])
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """CUDA IPC data plane (``weights.data_plane: ipc``): a version never leaves the GPU.
 
 When the learner and the rollout workers are on GPUs of one host (colocated on one GPU, or GPUs
-that reach each other), the publisher copies each engine tensor device to device into a flat
-uint8 buffer at its layout offset (:func:`copy_into`) and shares that buffer once through CUDA
+that reach each other), the publisher copies each bucket's engine tensors device to device into a
+flat uint8 buffer at their layout offsets (:func:`copy_bucket`) and shares that buffer once through CUDA
 IPC (torch's ``UntypedStorage._share_cuda_``, :func:`share`). The manifest in Redis carries the
 handle as plain fields; a subscriber validates every field (:func:`parse_record`) before torch's
 ``rebuild_cuda_tensor`` opens the buffer (once per buffer, :class:`DeviceReader`), verifies each
@@ -243,18 +243,24 @@ class DeviceStore:
         self._bufs = [None, None]
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor, ck: Checksum) -> torch.cuda.Stream:
-    """Copy one engine tensor ``src`` (contiguous, any device) into its slot region ``dst`` (uint8
-    [padded nbytes] on the slot's GPU) and add the region to the bucket checksum ``ck`` there.
+def copy_bucket(region: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]],
+                ck: Checksum) -> torch.cuda.Stream:
+    """Copy one bucket's engine tensors into their slot regions and checksum the bucket.
 
-    Asynchronous for a GPU ``src``: returns the stream to synchronize before the bucket is
-    announced. The whole padded region is summed (a multiple of 64 bytes), so a reused slot's
-    old padding bytes need no clearing: the subscriber sums the same bytes.
+    ``region``: uint8 [bucket nbytes], the bucket's bytes in the slot; ``copies``: (dst, src)
+    pairs, dst a uint8 [nbytes] view of ``region`` and src the tensor's bytes (contiguous uint8
+    [nbytes], any device). One ``_foreach_copy_`` moves them all and one sum64 covers the whole
+    bucket, padding included (a reused slot's old padding needs no clearing: the subscriber sums
+    the same bytes), so a bucket costs a few kernel launches, not three per tensor: a version is
+    a few hundred tensors, and per-tensor launches, not bytes, bound a device-to-device publish.
+
+    Asynchronous: returns the stream to synchronize before the bucket's checksum is read.
     """
-    if src.numel():
-        dst[: src.numel() * src.element_size()].copy_(src.reshape(-1).view(torch.uint8), non_blocking=src.is_cuda)
-    ck.update(dst)
-    return torch.cuda.current_stream(dst.device)
+    if copies:
+        dsts, srcs = zip(*copies)
+        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+    ck.update(region)
+    return torch.cuda.current_stream(region.device)
 
 
 # -- subscriber ------------------------------------------------------------------------------------

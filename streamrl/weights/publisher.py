@@ -46,7 +46,7 @@ import torch
 from streamrl.coord.coordinator import Coordinator
 from streamrl.weights.adapter import adapt_specs, adapt_tensor
 from streamrl.weights.collective import CollectiveSender
-from streamrl.weights.ipc import DeviceStore, copy_into
+from streamrl.weights.ipc import DeviceStore, copy_bucket
 from streamrl.transport.codec import DTYPES
 from streamrl.weights.layout import CHUNK, Checksum, Layout, write_tensor
 from streamrl.weights.manifest import ManifestJSON
@@ -147,7 +147,7 @@ class WeightPublisher:
                     writer.put(ename, piece)
             del t, item, lead
             write_s += time.perf_counter() - tw
-        writer.check_complete()
+        writer.finish()
         manifest["state"] = "complete"
         manifest["buckets"] = layout.buckets
         encoded, table = self._json.encode(manifest)
@@ -195,9 +195,10 @@ class WeightPublisher:
     def _streamed(self, layout: Layout) -> bool:
         """Whether ``version`` is announced while being written, bucket by bucket. A store
         version of one bucket is not: nothing of it is readable before it is complete, so the
-        two announcements (manifest, bucket event) would only add Redis round trips. Collective
+        two announcements (manifest, bucket event) would only add Redis round trips. Nor is an
+        ipc version: its whole copy takes less than one bucket's Redis round trip. Collective
         receivers always follow the bucket events."""
-        return self.store is None or len(layout.buckets) > 1
+        return self.store is None or (len(layout.buckets) > 1 and not isinstance(self.store, DeviceStore))
 
     def _write(self, vf, dst: torch.Tensor, src: torch.Tensor, ck: Checksum) -> None:
         """Copy one engine tensor into the store region ``dst`` (uint8 [padded nbytes]).
@@ -207,11 +208,6 @@ class WeightPublisher:
         over the bytes at all; where the store cannot be page-locked, or the checksum needs
         the host (crc32, a size not a multiple of 8 bytes), through a pinned bounce buffer.
         """
-        if dst.is_cuda:  # an ipc device buffer: device to device, checksummed there
-            stream = copy_into(dst, src, ck)
-            if stream not in self._dma_streams:
-                self._dma_streams.append(stream)
-            return
         if src.device.type == "cpu":
             write_tensor(dst, src, ck)
             return
@@ -285,6 +281,12 @@ class _BucketWriter:
         # address of a host store's mapping (0: none to pack into, e.g. the ipc plane's device buffer)
         self.base = vf.buf.data_ptr() if vf is not None and vf.buf.is_cpu else 0
         self.run: list[int] = []  # [start, end) of the packed run not checksummed yet; [] when none
+        # ipc plane (a device buffer): the open bucket's (dst, src) byte views, copied and checksummed
+        # together when it closes (:func:`copy_bucket`), and closed buckets whose digests are read
+        # once, after the version's last copy (one GPU sync per version)
+        self.device = vf is not None and vf.buf.is_cuda
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.unread: list[tuple[dict, Checksum]] = []
 
     def put(self, ename: str, piece: torch.Tensor) -> None:
         e = self.layout.tensors[self.entry_i]
@@ -293,6 +295,10 @@ class _BucketWriter:
                              f"{e['name']} {e['shape']}")
         if self.vf is None:
             self.pieces.append((e, piece))
+        elif self.device:
+            if e["nbytes"]:
+                self.copies.append((self.vf.region(e["offset"], e["nbytes"]),
+                                    piece.contiguous().reshape(-1).view(torch.uint8)))
         elif (self.base and e["nbytes"] < SMALL and piece.is_cpu and piece.is_contiguous()
               and piece.nbytes == e["nbytes"]):
             self._put_small(e, piece)
@@ -354,6 +360,15 @@ class _BucketWriter:
 
     def _close_bucket(self, b: dict) -> None:
         pub = self.pub
+        if self.device:  # never announced bucket by bucket (see _streamed): digests read in finish()
+            stream = copy_bucket(self.vf.region(b["offset"], b["nbytes"]), self.copies, self.ck)
+            if stream not in pub._dma_streams:
+                pub._dma_streams.append(stream)
+            self.copies = []
+            self.unread.append((b, self.ck))
+            self.ck = Checksum(pub.checksum)
+            self.bucket_i += 1
+            return
         pub._finish_dma()  # the bucket's bytes are in the store before it is announced
         if pub.collective is not None:
             b["checksum"] = pub.collective.send_bucket(b, self.pieces, pub.checksum)
@@ -366,10 +381,18 @@ class _BucketWriter:
         self.ck = Checksum(pub.checksum)
         self.bucket_i += 1
 
-    def check_complete(self) -> None:
+    def finish(self) -> None:
+        """Check every engine tensor came; on the ipc plane wait for the copies and set the
+        buckets' checksums (buckets are servable from here)."""
         if self.entry_i != len(self.layout.tensors):
             raise ValueError(f"publish(v{self.version}) got {self.entry_i} of {len(self.layout.tensors)} "
                              f"engine tensors")
+        if self.unread:
+            self.pub._finish_dma()
+            for b, ck in self.unread:
+                b["checksum"] = ck.digest()
+            self.pub._ready[self.version] = self.bucket_i
+            self.unread = []
 
 
 def _padded(entry: dict) -> int:
