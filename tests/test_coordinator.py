@@ -170,3 +170,37 @@ def test_manifests_name_tables_that_readers_cache_boundedly(redis_url, run_id):
         assert reader.manifest(v) == {"v": v, "tensors": [{"name": f"t{v}", "shape": [v]}]}
     assert len(reader._tables) == TABLE_CACHE
     assert reader.manifest(0)["tensors"] == [{"name": "t0", "shape": [0]}]  # evicted: read again
+
+
+@pytest.mark.timeout(30)
+def test_tensor_tables_live_as_long_as_a_retained_version_names_them(redis_url, run_id):
+    """A layout's table is deleted once no retained version names it (expired by the publish script,
+    or by gc_versions after a jump), stored again when a layout comes back, and re-asserted with the
+    last manifest after Redis lost the run's state."""
+    c = Coordinator(redis_url, run_id)
+    a, b = Table.of('[{"name": "a"}]'), Table.of('[{"name": "b"}]')
+
+    def publish(v: int, table: Table) -> None:
+        c.publish_version(v, {}, keep=2, encoded=json.dumps({TABLE_REF: table.digest, "v": v}), table=table)
+
+    def stored() -> set[str]:
+        return {key.rsplit(":", 1)[1] for key in c.r.keys(c.keys.weights_table("*"))}
+
+    publish(0, a)
+    publish(1, a)
+    publish(2, b)  # retained 1 and 2: both tables named
+    assert stored() == {a.digest, b.digest}
+    publish(3, b)  # retained 2 and 3: a is named by none
+    assert stored() == {b.digest} and c.r.zrange(c.keys.weights_tables, 0, -1) == [b.digest]
+    publish(4, a)  # layout a again: the publish stores its table anew
+    assert stored() == {a.digest, b.digest}
+    publish(10, a)  # a jump: gc_versions expires 3, the last version that named b
+    assert stored() == {a.digest}
+    reader = Coordinator(redis_url, run_id)
+    assert reader.manifest(4)["tensors"] == reader.manifest(10)["tensors"] == [{"name": "a"}]
+    c.r.delete(*c.r.keys(f"streamrl:{run_id}:*"))  # Redis lost the run's state
+    assert c.reassert_version() and stored() == {a.digest}
+    assert c.r.zscore(c.keys.weights_tables, a.digest) == 10
+    publish(11, b)
+    publish(12, b)  # 10 expires: a goes with it
+    assert stored() == {b.digest}

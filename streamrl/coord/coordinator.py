@@ -115,22 +115,41 @@ return 1
 """
 
 
+# Tensor tables live as long as a retained version names them: the tables zset scores each table by the
+# newest version whose manifest names it, so a table scored below the oldest retained version is named
+# by none and is deleted. (A new layout's table is stored again by the publish that needs it.)
+_DROP_TABLES = """
+local function drop_tables(versions, tables, prefix)
+  local oldest = redis.call('ZRANGE', versions, 0, 0, 'WITHSCORES')[2]
+  if oldest == nil then return end
+  for _, digest in ipairs(redis.call('ZRANGEBYSCORE', tables, '-inf', '(' .. oldest)) do
+    redis.call('DEL', prefix .. digest)
+  end
+  redis.call('ZREMRANGEBYSCORE', tables, '-inf', '(' .. oldest)
+end
+"""
 # publish_version: KEYS = manifest(v), version, versions zset, the manifest's tensor table (the manifest
-# key again when it has none)[, manifest(v - keep), buckets(v - keep)]; ARGV = manifest JSON, v, channel,
-# keep, "1" when the manifest names a table[, v - keep]. Returns -1, having written nothing, when the
-# named table is not in Redis; else the versions still beyond ``keep`` after that.
-_PUBLISH = """
-if ARGV[5] == '1' and redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
+# key again when it has none), tables zset[, manifest(v - keep), buckets(v - keep)]; ARGV = manifest
+# JSON, v, channel, keep, the table's digest ("" when the manifest names none), the table key prefix
+# [, v - keep]. Returns -1, having written nothing, when the named table is not in Redis; else the
+# versions still beyond ``keep`` after that.
+_PUBLISH = _DROP_TABLES + """
+local digest = ARGV[5]
+if digest ~= '' and redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[2])
+if digest ~= '' then redis.call('ZADD', KEYS[5], 'GT', ARGV[2], digest) end
 redis.call('PUBLISH', ARGV[3], ARGV[2])
-if #KEYS > 4 then
-  redis.call('DEL', KEYS[5], KEYS[6])
-  redis.call('ZREM', KEYS[3], ARGV[6])
+if #KEYS > 5 then
+  redis.call('DEL', KEYS[6], KEYS[7])
+  redis.call('ZREM', KEYS[3], ARGV[7])
+  drop_tables(KEYS[3], KEYS[5], ARGV[6])
 end
 return redis.call('ZRANGE', KEYS[3], 0, -(tonumber(ARGV[4]) + 1))
 """
+# gc_versions: KEYS = versions zset, tables zset; ARGV = the table key prefix.
+_GC_TABLES = _DROP_TABLES + "drop_tables(KEYS[1], KEYS[2], ARGV[1])"
 # Tensor tables a reader keeps decoded (one per layout; a run has one or a few).
 TABLE_CACHE = 8
 
@@ -158,6 +177,7 @@ class Coordinator:
         self._reserve = self.r.register_script(_RESERVE)
         self._max_set = self.r.register_script(_MAX_SET)
         self._publish = self.r.register_script(_PUBLISH)
+        self._gc_tables = self.r.register_script(_GC_TABLES)
         self.last_published: tuple[int, dict[str, Any]] | None = None
         """(version, manifest) of the newest :meth:`publish_version` call, for :meth:`reassert_version`."""
         self._last_stored: tuple[str, Table | None] | None = None  # that manifest as stored, and its table
@@ -200,13 +220,16 @@ class Coordinator:
         ``table``: the tensor table ``encoded`` names by digest instead of holding it
         (:class:`~streamrl.weights.manifest.ManifestJSON`). The script refuses a manifest whose
         table is not in Redis (the layout's first version, or Redis lost its state): the table is
-        stored then and the script run again, so a stored manifest's table is always there.
+        stored then and the script run again, so a stored manifest's table is always there. A table
+        lives as long as a retained version names it: expiring versions deletes the tables only
+        they named (``_DROP_TABLES``).
         """
         k = self.keys
         keys = [k.manifest(version), k.version, k.weights_versions,
-                k.weights_table(table.digest) if table is not None else k.manifest(version)]
+                k.weights_table(table.digest) if table is not None else k.manifest(version), k.weights_tables]
         text = encoded if encoded is not None else json.dumps(manifest)
-        args = [text, version, k.weights_channel, keep, "1" if table is not None else "0"]
+        args = [text, version, k.weights_channel, keep, table.digest if table is not None else "",
+                k.weights_table("")]
         if version - keep >= 0:
             keys += [k.manifest(version - keep), k.weights_buckets(version - keep)]
             args.append(version - keep)
@@ -229,6 +252,7 @@ class Coordinator:
         pipe = self.r.pipeline()
         if table is not None:  # before the manifest that names it (MULTI/EXEC: atomic anyway)
             pipe.set(self.keys.weights_table(table.digest), table.text)
+            pipe.zadd(self.keys.weights_tables, {table.digest: version}, gt=True)
         pipe.set(self.keys.manifest(version), text)
         pipe.zadd(self.keys.weights_versions, {str(version): version})
         pipe.set(self.keys.version, version)
@@ -267,8 +291,8 @@ class Coordinator:
             return decode_table(digest, "")  # raises, naming the field
         text = self.r.get(self.keys.weights_table(digest))
         if text is None:
-            log.warning("weights tensor table %s... is not in Redis (lost with its state?); its versions "
-                        "are unavailable until the learner stores it again", digest[:16])
+            log.warning("weights tensor table %s... is not in Redis (its versions expired, or Redis lost its "
+                        "state); its versions are unavailable until the learner stores it again", digest[:16])
             return None
         table = decode_table(digest, text)
         with self._tables_lock:
@@ -311,7 +335,8 @@ class Coordinator:
         return max(int(raw) if raw is not None else -1, self.current_version())
 
     def gc_versions(self, keep: int) -> list[int]:
-        """Delete manifests and bucket streams of all but the newest ``keep`` versions; returns them."""
+        """Delete manifests and bucket streams of all but the newest ``keep`` versions, and the tensor
+        tables no retained version names; returns the versions deleted."""
         old = [int(v) for v in self.r.zrange(self.keys.weights_versions, 0, -(keep + 1))]
         if old:
             pipe = self.r.pipeline()
@@ -319,6 +344,8 @@ class Coordinator:
                 pipe.delete(self.keys.manifest(v), self.keys.weights_buckets(v))
             pipe.zrem(self.keys.weights_versions, *map(str, old))
             pipe.execute()
+            self._gc_tables(keys=[self.keys.weights_versions, self.keys.weights_tables],
+                            args=[self.keys.weights_table("")])
         return old
 
     def subscribe_versions(self):

@@ -30,6 +30,10 @@ class Keys:
         return self._k("weights", "table", digest)
 
     @property
+    def weights_tables(self) -> str:  # sorted set: table digest -> newest version whose manifest names it (GC)
+        return self._k("weights", "tables")
+
+    @property
     def weights_channel(self) -> str:  # pub/sub: version announcements
         return self._k("weights", "events")
 
