@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -19,8 +20,10 @@ from streamrl.transport.sender import TrajectorySender
 GROUP, PER_MESSAGE, PER_STEP, STALENESS = 2, 2, 2, 4
 
 
-def _started_worker(redis_url, run_id, repo, monkeypatch, *extra):
-    """A streaming worker with version 0 loaded, and the run's coordinator and publisher."""
+@contextmanager
+def _streaming_worker(redis_url, run_id, repo, monkeypatch, *extra):
+    """A streaming worker with version 0 loaded and a sender to a draining receiver: yields
+    ``(worker, coord, sender)``; closes the sender, receiver, engine, metrics and publisher on the way out."""
     from streamrl.weights.factory import make_publisher
     from streamrl.workers.rollout import RolloutWorker
 
@@ -39,7 +42,16 @@ def _started_worker(redis_url, run_id, repo, monkeypatch, *extra):
                       (p.detach() for _, p in model.named_parameters()))
     worker.sync_weights()
     assert worker.subscriber.loaded_version == 0
-    return worker, coord, publisher
+    drain = _Drain()
+    sender = TrajectorySender(drain.endpoint, 0, hwm=64)
+    try:
+        yield worker, coord, sender
+    finally:
+        sender.close()
+        drain.close()
+        worker.engine.close()
+        worker.metrics.close()
+        publisher.close()
 
 
 def _held(coord) -> int:
@@ -53,26 +65,17 @@ def _totals() -> dict:
 
 @pytest.mark.timeout(120)
 def test_stop_drains_the_stream_and_holds_only_what_was_sent(redis_url, run_id, repo, monkeypatch):
-    worker, coord, publisher = _started_worker(redis_url, run_id, repo, monkeypatch)
-    drain = _Drain()
-    sender = TrajectorySender(drain.endpoint, 0, hwm=64)
-    sent, send = [], worker._send
+    with _streaming_worker(redis_url, run_id, repo, monkeypatch) as (worker, coord, sender):
+        sent, send = [], worker._send
 
-    def counted(snd, td):  # the signal arrives after the third message
-        sent.append(td)
-        if len(sent) == 3:
-            worker.stopping = True
-        return send(snd, td)
+        def counted(snd, td):  # the signal arrives after the third message
+            sent.append(td)
+            if len(sent) == 3:
+                worker.stopping = True
+            return send(snd, td)
 
-    worker._send = counted
-    try:
+        worker._send = counted
         worker._stream(sender, _totals())
-    finally:
-        sender.close()
-        drain.close()
-        worker.engine.close()
-        worker.metrics.close()
-        publisher.close()
     assert len(sent) >= 3 and worker.roller.in_flight == 0
     groups = 0
     for td in sent:
@@ -88,19 +91,11 @@ def test_stop_drains_the_stream_and_holds_only_what_was_sent(redis_url, run_id, 
 
 @pytest.mark.timeout(120)
 def test_refused_with_nothing_in_flight_runs_into_the_admission_deadline(redis_url, run_id, repo, monkeypatch):
-    worker, coord, publisher = _started_worker(redis_url, run_id, repo, monkeypatch, "deadlines.admission_s=0.3")
     budget = (STALENESS + 1) * PER_STEP
-    assert coord.try_reserve(budget, STALENESS, PER_STEP)  # another worker holds the whole budget
-    drain = _Drain()
-    sender = TrajectorySender(drain.endpoint, 0, hwm=64)
-    try:
+    deadline = "deadlines.admission_s=0.3"
+    with _streaming_worker(redis_url, run_id, repo, monkeypatch, deadline) as (worker, coord, sender):
+        assert coord.try_reserve(budget, STALENESS, PER_STEP)  # another worker holds the whole budget
         with pytest.raises(DeadlineExceeded, match="admission_s"):
             worker._stream(sender, _totals())
-    finally:
-        sender.close()
-        drain.close()
-        worker.engine.close()
-        worker.metrics.close()
-        publisher.close()
     assert _held(coord) == budget  # the worker neither took nor gave back any
     assert worker.state == "waiting_admission"
