@@ -13,7 +13,8 @@ def launch_tiny(tmp_path: Path, repo: Path, python: str, steps: int, learners: i
     """Run the tiny config for ``steps`` steps with each ``sections[name]`` merged into that config
     section (e.g. ``rollout={"engine": "hf_fast"}``); asserts the launcher exited 0.
 
-    Returns ``(config, summary)``: the config as run and the run's ``summary.json``.
+    Returns ``(config, summary)``: the config as run and the run's ``summary.json``; the run directory
+    is ``tmp_path / "run"`` (:func:`run_metrics` reads its ``metrics.jsonl``).
     """
     cfg = yaml.safe_load((repo / "configs/tiny.yaml").read_text())
     for name, values in sections.items():
@@ -27,3 +28,8 @@ def launch_tiny(tmp_path: Path, repo: Path, python: str, steps: int, learners: i
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return cfg, json.loads((run_dir / "summary.json").read_text())
+
+
+def run_metrics(tmp_path: Path) -> list[dict]:
+    """The learner's ``metrics.jsonl`` of the :func:`launch_tiny` run in ``tmp_path``: one dict per step."""
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
