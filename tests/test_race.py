@@ -50,15 +50,25 @@ def test_combine_names_a_missing_side(tmp_path, capsys):
     assert "no streamrl.json (run --side streamrl" in capsys.readouterr().err
 
 
+def test_score_phase_names_a_side_not_trained(tmp_path, repo, capsys):
+    args = ["--config", str(repo / "configs/tiny.yaml"), "--out", str(tmp_path), "--side", "peer", "--phase", "score",
+            f"model.path={tmp_path}"]
+    assert race.main(args) == 2
+    assert f"no {tmp_path / 'peer-exports.json'} (run --side peer --phase train" in capsys.readouterr().err
+
+
 def test_race_runs_both_sides_and_scores_them_with_one_evaluator(tmp_path, repo):
-    """Both sides of a tiny race (one invocation each, then --combine): every point is a real score."""
+    """Both sides of a tiny race (StreamRL in one invocation, the peer as --phase train then --phase
+    score, as on the GPU), then --combine: every point is a real score."""
     model = tiny_llama_folder(tmp_path / "model")
     out = tmp_path / "race"
     common = ["--config", str(repo / "configs/tiny.yaml"), "--out", str(out), "--budget-s", "40", "--device", "cpu",
               "--export-every", "2", f"model.path={model}", "eval.size=16", "rollout.max_new_tokens=6",
               "learner.groups_per_step=4", "rollout.group_size=4"]
-    for side in ("streamrl", "peer"):
-        assert race.main([*common, "--side", side]) == 0
+    assert race.main([*common, "--side", "streamrl"]) == 0
+    assert race.main([*common, "--side", "peer", "--phase", "train"]) == 0
+    assert not (out / "peer.json").exists() and (out / "peer-exports.json").is_file()
+    assert race.main([*common, "--side", "peer", "--phase", "score"]) == 0
     assert race.main(["--combine", str(out), "--json"]) == 0
     res = json.loads((out / "race.json").read_text())
     assert (out / "race.png").stat().st_size > 0

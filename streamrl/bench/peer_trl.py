@@ -3,7 +3,7 @@
 ``python -m streamrl.bench.peer_trl --config C --out DIR --budget-s S --t0 EPOCH [overrides]``
 trains until the budget (counted from ``--t0``, the parent's spawn time, so model load counts as
 it does for StreamRL) and saves the HF model at 25/50/75/100 % of it (a ``TrainerCallback``),
-writing ``DIR/peer-exports.json`` like the StreamRL side's list.
+writing ``DIR/peer-points.json`` like the StreamRL side's list.
 
 Matched to the config: the model folder (``model.path``, dtype), the prompts (the task's
 training stream, shard 0 of 1, in order: what one StreamRL rollout worker draws), the chat
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
     points = train(cfg, out, args.budget_s, t0, args.device)
-    (out / "peer-exports.json").write_text(json.dumps(points, indent=2))
+    (out / "peer-points.json").write_text(json.dumps(points, indent=2))
     return 0
 
 

@@ -9,14 +9,16 @@ and every folder, with the base model at time 0, is scored by one evaluator
 (:func:`streamrl.bench.race_curve.score_folder`: greedy, the config's held-out set and
 ``eval.max_new_tokens``).
 
-One side per invocation (a GPU call fits one side) and a combine step, or both at once::
+One side per invocation (a GPU call fits one side; ``--phase train`` then ``--phase score`` split
+a side that does not fit one call) and a combine step, or both at once::
 
     streamrl-bench race --config configs/gpu-reasoning.yaml --side streamrl --out runs/race --budget-s 360
     streamrl-bench race --config configs/gpu-reasoning.yaml --side peer --out runs/race --budget-s 360
     streamrl-bench race --combine runs/race --json
     streamrl-bench race --config configs/race-tiny.yaml --budget-s 60 --device cpu --json   # both sides
 
-A side writes ``OUT/<side>.json`` (its scored curve); ``--combine`` (and a both-sides run) writes
+Training writes ``OUT/<side>-exports.json`` (the exports and their times), scoring
+``OUT/<side>.json`` (its scored curve); ``--combine`` (and a both-sides run) writes
 ``OUT/race.json`` and ``OUT/race.png``. The JSON holds both curves (points ``{"fraction",
 "time_s", "samples", "step", "accuracy", "stderr", "sets", ...}``) and the figures of
 :func:`streamrl.bench.race_curve.compare`, ``time_to_peer_final_accuracy_ratio`` among them.
@@ -35,6 +37,7 @@ from streamrl.bench.race_streamrl import run_streamrl_side
 from streamrl.config import load_config
 
 SIDES = ("streamrl", "peer")
+PHASES = ("all", "train", "score")
 
 
 def parse_args(argv):
@@ -47,6 +50,10 @@ def parse_args(argv):
     p.add_argument("--export-every", type=int, default=5,
                    help="StreamRL learner steps between HF exports (the marks take the newest before them)")
     p.add_argument("--device", default=None, help="device of TRL's model and of the scoring (default: eval.device)")
+    p.add_argument("--phase", choices=PHASES, default="all",
+                   help="train: train and list the exports (OUT/<side>-exports.json); score: score a trained "
+                        "side's exports; all: both (a side whose training and scoring do not fit one GPU call "
+                        "runs them as two)")
     p.add_argument("--combine", metavar="DIR", default=None,
                    help="instead of training: combine DIR/streamrl.json and DIR/peer.json into DIR/race.json")
     p.add_argument("--json", action="store_true")
@@ -68,9 +75,9 @@ def scored_curve(cfg, points: list[dict], base: dict, device: str, budget_s: flo
     return curve
 
 
-def run_side(args, side: str, cfg, out: Path, device: str) -> dict:
-    """Train one side under the budget, score its exports; writes and returns ``OUT/<side>.json``."""
-    per_step = cfg.learner.groups_per_step * cfg.rollout.group_size
+def train_side(args, side: str, out: Path, device: str, per_step: int) -> dict:
+    """Train one side under the budget; writes and returns ``OUT/<side>-exports.json``
+    (``{"train_wall_s", "points": [{"fraction", "time_s", "step", "samples", "folder"}]}``)."""
     t0 = time.time()
     if side == "streamrl":
         points = run_streamrl_side(args.config, out, args.budget_s, args.rollers, args.export_every,
@@ -82,13 +89,24 @@ def run_side(args, side: str, cfg, out: Path, device: str) -> dict:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
         if rc != 0:
             raise RuntimeError(f"the TRL side exited with {rc} (see {out / 'peer-train.log'})")
-        points = json.loads((out / "peer-exports.json").read_text())
-    train_s = time.time() - t0
+        points = json.loads((out / "peer-points.json").read_text())
+    trained = {"side": side, "budget_s": args.budget_s, "train_wall_s": round(time.time() - t0, 1),
+               "points": points}
+    (out / f"{side}-exports.json").write_text(json.dumps(trained, indent=2))
+    return trained
+
+
+def score_side(args, side: str, cfg, out: Path, device: str) -> dict:
+    """Score a trained side's exports (and the base model); writes and returns ``OUT/<side>.json``."""
+    path = out / f"{side}-exports.json"
+    if not path.is_file():
+        raise ValueError(f"--phase score: no {path} (run --side {side} --phase train --out {out} first)")
+    trained = json.loads(path.read_text())
+    t0 = time.time()
     base = score_folder(cfg.model.path, cfg, device)
-    result = {"side": side, "budget_s": args.budget_s, "train_wall_s": round(train_s, 1),
-              "curve": scored_curve(cfg, points, base, device, args.budget_s), "config": args.config,
-              "overrides": args.overrides,
-              "scoring_s": round(time.time() - t0 - train_s, 1)}
+    result = {"side": side, "budget_s": trained["budget_s"], "train_wall_s": trained["train_wall_s"],
+              "curve": scored_curve(cfg, trained["points"], base, device, trained["budget_s"]),
+              "config": args.config, "overrides": args.overrides, "scoring_s": round(time.time() - t0, 1)}
     (out / f"{side}.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -137,8 +155,15 @@ def main(argv=None) -> int:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             device = args.device or cfg.eval.device
+            per_step = cfg.learner.groups_per_step * cfg.rollout.group_size
             for side in SIDES if args.side == "both" else (args.side,):
-                run_side(args, side, cfg, out, device)
+                if args.phase in ("all", "train"):
+                    train_side(args, side, out, device, per_step)
+                if args.phase in ("all", "score"):
+                    score_side(args, side, cfg, out, device)
+            if args.phase == "train":
+                print(f"trained: {', '.join(str(out / (s + '-exports.json')) for s in SIDES if args.side in (s, 'both'))}")
+                return 0
             if args.side != "both":
                 print(json.dumps(json.loads((out / f"{args.side}.json").read_text())) if args.json else
                       f"wrote {out / (args.side + '.json')}")

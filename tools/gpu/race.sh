@@ -4,6 +4,8 @@
 # One side per device call (each must fit 10 minutes), then combine the two JSONs anywhere:
 #   SIDE=streamrl BUDGET=360 bash tools/gpu/race.sh      # -> $OUT/streamrl.json
 #   SIDE=peer     BUDGET=360 bash tools/gpu/race.sh      # -> $OUT/peer.json
+# A side whose training and scoring do not fit one call (TRL's, at 1,024 tokens) runs as two back-to-back
+# calls on the warm machine (its exports wait in /tmp/race):  PHASE=train ...  then  PHASE=score ...
 #   streamrl-bench race --combine DIR --json             # DIR holds both: race.json, race.png
 # What the device lacks travels in folders excluded from git, at most 64 MiB a call, so staging
 # takes three calls (this script looks in the folder and in /tmp/stage, where earlier calls left it):
@@ -42,7 +44,7 @@ SIDE=${SIDE:-streamrl}
 [[ $SIDE == peer ]] && export PYTHONPATH=$PYTHONPATH:/tmp/peer
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; uptime
-python3 -m streamrl.bench.cli race --config ${CONFIG:-configs/gpu-reasoning.yaml} --side "$SIDE" --out /tmp/race \
-  --budget-s "${BUDGET:-360}" model.path=$MODEL "$@" 2>&1 | tail -25
+python3 -m streamrl.bench.cli race --config ${CONFIG:-configs/gpu-reasoning.yaml} --side "$SIDE" --phase "${PHASE:-all}" \
+  --out /tmp/race --budget-s "${BUDGET:-360}" model.path=$MODEL "$@" 2>&1 | tail -25
 cp /tmp/race/*.json "$OUT/" 2>/dev/null; for f in /tmp/race/*.log; do tail -60 "$f" > "$OUT/$(basename "$f")"; done
 ls /tmp/race
