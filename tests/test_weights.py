@@ -11,7 +11,7 @@ import torch
 
 from streamrl.coord.coordinator import Coordinator
 from streamrl.weights.adapter import adapt_specs, adapt_tensor, unadapt
-from streamrl.weights.layout import ChecksumError, Layout, checksum_region
+from streamrl.weights.layout import ChecksumError, Layout, checksum_region, checksum_regions
 from streamrl.weights.manifest import TABLE_REF, ManifestJSON, Table, decode_table
 from streamrl.weights.publisher import WeightPublisher
 from streamrl.weights.subscriber import WeightSubscriber
@@ -83,6 +83,16 @@ def test_checksum_detects_single_byte_flip(algo):
     ref = checksum_region(buf, algo)
     buf[12345] ^= 1
     assert checksum_region(buf, algo) != ref
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("algo", ["sum64", "crc32"])
+def test_checksums_of_several_regions_at_once_equal_one_at_a_time(algo, device):
+    """The batched path (one read back for all buckets on a GPU) gives the per-region digests,
+    wrap-around of the int64 sums included (random bytes make the sums overflow)."""
+    regions = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (8, 1 << 16, (1 << 20) + 64)]
+    want = [checksum_region(r, algo) for r in regions]
+    assert checksum_regions([r.to(device) for r in regions], algo) == want
 
 
 def test_adapter_vllm_roundtrip_and_names():

@@ -44,6 +44,7 @@ import torch
 import zmq
 
 from streamrl.coord.coordinator import Coordinator
+from streamrl.engines.base import copy_weights_all_or_nothing
 from streamrl.launcher.redis_server import RedisServer
 from streamrl.weights.publisher import WeightPublisher
 from streamrl.weights.subscriber import WeightSubscriber
@@ -204,8 +205,7 @@ class DictEngine:
         items = list(named)
         if {n for n, _ in items} != set(self.params):
             self.params = {n: torch.zeros(t.shape, dtype=t.dtype, device=self.device) for n, t in items}
-        for n, t in items:
-            self.params[n].copy_(t)
+        copy_weights_all_or_nothing(self.params, items)  # the engines' load: one _foreach_copy_
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.coord.coordinator import Coordinator
-from streamrl.weights.layout import ChecksumError, Layout, checksum_region
+from streamrl.weights.layout import ChecksumError, Layout, checksum_region, checksum_regions
 
 log = logging.getLogger(__name__)
 ENDPOINT = "weights-collective"
@@ -130,8 +130,9 @@ class CollectiveReceiver:
                     events, after = self.coord.bucket_events(version, after, block_ms=1000)
                     sums.update(dict(events))
                 tv = time.perf_counter()
-                for i, buf in bufs.items():
-                    if checksum_region(buf if manifest["checksum"] == "sum64" else buf.cpu(), manifest["checksum"]) != sums[i]:
+                got = checksum_regions(list(bufs.values()), manifest["checksum"])
+                for i, digest in zip(bufs, got):
+                    if digest != sums[i]:
                         raise ChecksumError(f"weights v{version} bucket {i} failed its checksum after broadcast")
                 timings = {"weights/transfer_s": transfer, "weights/verify_s": time.perf_counter() - tv,
                            "weights/wait_s": 0.0, "weights/bytes": float(layout.total_bytes)}

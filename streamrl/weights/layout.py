@@ -118,6 +118,19 @@ def checksum_region(buf: torch.Tensor, algo: str) -> str:
     return c.digest()
 
 
+def checksum_regions(bufs: list[torch.Tensor], algo: str) -> list[str]:
+    """Checksums of whole uint8 regions (each [nbytes], a multiple of 8 for sum64), in order.
+
+    sum64 on a GPU: one sum kernel per region and one device-to-host read for all of them, where
+    a region at a time would wait for the GPU once per bucket. Anything else reads the regions
+    on the CPU (crc32 needs host bytes), one at a time.
+    """
+    if algo == "sum64" and bufs and all(b.is_cuda for b in bufs):
+        sums = torch.stack([b.view(torch.int64).sum() for b in bufs]).tolist()
+        return [str(s & 0xFFFFFFFFFFFFFFFF) for s in sums]
+    return [checksum_region(b if algo == "sum64" else b.cpu(), algo) for b in bufs]
+
+
 @dataclass
 class Layout:
     """Where each tensor of a version lives.

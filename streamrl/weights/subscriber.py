@@ -46,7 +46,7 @@ from streamrl.coord.coordinator import Coordinator
 from streamrl.weights import lease, pinning
 from streamrl.weights.collective import CollectiveReceiver
 from streamrl.weights.ipc import DeviceReader
-from streamrl.weights.layout import ChecksumError, Layout, checksum_region
+from streamrl.weights.layout import ChecksumError, Layout, checksum_region, checksum_regions
 from streamrl.weights.publisher import COLLECTIVE_PLANES, host_id
 from streamrl.weights.store import ReaderCache
 from streamrl.weights.zmq_plane import BucketClient
@@ -182,8 +182,9 @@ class WeightSubscriber:
         while len(f.bufs) < n:
             if time.monotonic() > deadline or not self._learn_announced(f):
                 return None
-            for i, buf in self._arrived(f):
-                if not self._accept(f, i, buf):
+            arrived = self._arrived(f)
+            for (i, buf), digest in zip(arrived, self._digests(f, arrived)):
+                if not self._accept(f, i, buf, digest):
                     return None
         self.timings = {"weights/wait_s": f.wait_s, "weights/transfer_s": time.perf_counter() - t0,
                         "weights/verify_s": f.verify_s, "weights/bytes": float(f.layout.total_bytes)}
@@ -242,15 +243,28 @@ class WeightSubscriber:
         return [(i, None if data is None else _as_tensor(data))
                 for v, i, data in self._client.poll(50 if self._client.pending() else 0) if v == f.version]
 
-    def _accept(self, f: _Fetch, i: int, buf: torch.Tensor | None) -> bool:
-        """Verify bucket ``i`` and keep it, or schedule its re-fetch. False when the version is
-        gone; raises :class:`ChecksumError` once its re-fetches are used up."""
+    def _digests(self, f: _Fetch, arrived: list[tuple[int, torch.Tensor | None]]) -> list[str | None]:
+        """The arrived buckets' checksums, all at once where the store is a device buffer (ipc:
+        one read back for the version, not one per bucket); else None each (:meth:`_accept`
+        sums a bucket as it takes it)."""
+        if f.store is None or not f.store.is_cuda or not arrived:
+            return [None] * len(arrived)
+        tv = time.perf_counter()
+        digests = checksum_regions([buf for _, buf in arrived], f.manifest["checksum"])
+        f.verify_s += time.perf_counter() - tv
+        return digests
+
+    def _accept(self, f: _Fetch, i: int, buf: torch.Tensor | None, digest: str | None = None) -> bool:
+        """Verify bucket ``i`` (against ``digest`` when already summed) and keep it, or schedule its
+        re-fetch. False when the version is gone; raises :class:`ChecksumError` once its
+        re-fetches are used up."""
         if buf is None:
             return False  # the publisher no longer holds this version
-        tv = time.perf_counter()
-        ok = checksum_region(buf, f.manifest["checksum"]) == f.known[i]
-        f.verify_s += time.perf_counter() - tv
-        if ok:
+        if digest is None:
+            tv = time.perf_counter()
+            digest = checksum_region(buf, f.manifest["checksum"])
+            f.verify_s += time.perf_counter() - tv
+        if digest == f.known[i]:
             f.bufs[i] = buf
             if f.store is None and self._pin_frames:
                 self._pin_frame(buf)
