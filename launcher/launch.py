@@ -30,6 +30,7 @@ from pathlib import Path
 
 from streamrl.config import ConfigError, admission_wait_note, load_config
 from streamrl.launcher.plan import BASE_ENV, Launch, make_plan
+from streamrl.launcher.redis_server import unix_socket_path, unix_url
 from streamrl.launcher.runstate import LaunchError, check_redis_url, is_loopback, redact, redis_host_of
 from streamrl.preflight import PreflightError, require_preflight
 from streamrl.placement import LAUNCH_ROLES, canonical_role
@@ -165,13 +166,16 @@ def describe(launch: Launch) -> dict:
     url = launch.redis_url or (f"redis://{':***@' if a.redis_password else ''}{a.redis_host}:"
                                f"{a.redis_port or '<free port>'}/0 (embedded)")
     url = redact(url)
+    local = url  # this host's processes: an embedded Redis's Unix socket (runner.redis_urls)
+    if launch.redis_url is None and (sock := unix_socket_path(launch.run_dir / "redis")) is not None:
+        local = unix_url(sock, "***" if a.redis_password else None)
     procs = []
     if launch.plan.learner:
-        procs.append({"name": "learner", "cmd": launch.learner_cmd(url), "env": launch.plan.learner.env,
+        procs.append({"name": "learner", "cmd": launch.learner_cmd(local), "env": launch.plan.learner.env,
                       "devices": [str(d) for d in launch.plan.learner.devices], "log": str(launch.learner_log)})
     for i, r in enumerate(launch.plan.rollouts):
         wid = f"<id {i}>" if not launch.head or launch.multi else str(i)
-        procs.append({"name": f"rollout-{wid}", "cmd": launch.rollout_cmd(url, wid, len(launch.plan.rollouts),
+        procs.append({"name": f"rollout-{wid}", "cmd": launch.rollout_cmd(local, wid, len(launch.plan.rollouts),
                                                                              r.device_arg),
                       "env": r.env, "devices": [str(d) for d in r.devices],
                       "hosted": {k: [str(d) for d in v] for k, v in r.hosted.items()},
@@ -179,14 +183,14 @@ def describe(launch: Launch) -> dict:
     # Lazy: the role modules import torch; --help and flag errors stay fast without it.
     from streamrl.roles.launch import role_processes  # noqa: PLC0415
 
-    for role in role_processes(launch.cfg, a.node_rank, url, launch.run_id, launch.bind_host,
+    for role in role_processes(launch.cfg, a.node_rank, local, launch.run_id, launch.bind_host,
                                launch.advertise_host):  # the role servers (started by runner._processes)
         procs.append({"name": role.name, "env": dict(BASE_ENV), "devices": [role.device], "cmd": role.cmd,
                       "log": str(launch.run_dir / "logs" / f"{role.name}.log")})
     traj_host = launch.advertise_host or launch.bind_host
     return {
         "run_id": launch.run_id, "node_rank": a.node_rank, "nnodes": a.nnodes, "role": a.role, "head": launch.head,
-        "run_dir": str(launch.run_dir), "redis": url,
+        "run_dir": str(launch.run_dir), "redis": url, "redis_here": local,
         "endpoints": {
             "trajectories": f"tcp://{traj_host}:<port picked by learner rank 0, published in Redis>"
                             if launch.plan.learner else "read from Redis (published by learner rank 0)",

@@ -40,10 +40,10 @@ def execute(launch: Launch) -> int:
     server = RedisServer(launch.run_dir / "redis", port=args.redis_port, host=args.redis_host,
                          password=args.redis_password) if launch.redis_url is None else None
     try:
-        url = server.start().url if server else launch.redis_url
-        state = RunState(Coordinator(url, launch.run_id), launch.run_id)
+        url, local = redis_urls(launch, server.start() if server else None)
+        state = RunState(Coordinator(local, launch.run_id), launch.run_id)
         _join_run(launch, state, url)
-        learner, rollers = _processes(launch, url, state)
+        learner, rollers = _processes(launch, local, state)
     except (ConfigError, LaunchError) as e:
         if server:
             server.stop()
@@ -58,11 +58,12 @@ def execute(launch: Launch) -> int:
     parts = [f"{len(launch.plan.learner.devices)} of {launch.plan.learner_world} learner rank(s)"] if learner else []
     parts.append(f"{len(rollers)} roller(s) {[r.name for r in rollers]}")
     _say(f"run {launch.run_id}, node {args.node_rank}/{args.nnodes}, role {args.role}: {', '.join(parts)}; "
-         f"Redis {redact(url)}; logs in {launch.run_dir / 'logs'}")
+         f"Redis {redact(url)}{f' (here: {redact(local)})' if local != url else ''}; "
+         f"logs in {launch.run_dir / 'logs'}")
     progress = Progress(launch.run_dir / "metrics.jsonl", launch.cfg.run.steps) if launch.head else None
     sup = Supervisor(state, learner, rollers, head=launch.head, host=launch.host,
                      learner_restarts=args.learner_restarts,
-                     learner_restart_cmd=launch.learner_cmd(url, resume=True) if learner else None,
+                     learner_restart_cmd=launch.learner_cmd(local, resume=True) if learner else None,
                      single_host=not launch.multi, stop_grace_s=args.stop_grace, park_timeout_s=args.wait_timeout,
                      progress=progress, watchdog=Watchdog(state, launch.cfg.deadlines.stuck_s,
                                                           launch.cfg.deadlines.batch_s, _say))
@@ -76,6 +77,16 @@ def execute(launch: Launch) -> int:
         if server:
             server.stop()
     return _finish(launch, sup, learner, rollers, failures)
+
+
+def redis_urls(launch: Launch, server: RedisServer | None) -> tuple[str, str]:
+    """(the URL other hosts reach, the URL this host's processes get). This host's processes reach
+    the embedded Redis ``server`` over its Unix socket: a round trip without the TCP loopback stack,
+    which is most of a small weights version's announcement. run.json and the messages name the TCP
+    URL. A given ``--redis-url`` is used as it is."""
+    if server is None:
+        return launch.redis_url, launch.redis_url
+    return server.url, server.local_url
 
 
 def _join_run(launch: Launch, state: RunState, url: str) -> None:

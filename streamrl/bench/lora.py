@@ -3,8 +3,9 @@
 The model is built from a config with random weights (no download): by default SmolLM2-135M's
 shapes (Llama, hidden 576, 30 layers, 9 heads / 3 kv heads, MLP 1536, vocab 49152). One
 process is the learner and the rollout engine: the publisher writes each version into the
-shared-memory store (real Redis, real checksums), the subscriber fetches, verifies and loads it
-into an engine's parameters (a full version is copied; an adapter version is merged from the
+shared-memory store (real checksums; a real Redis, reached over its Unix socket as the launcher's
+processes on the Redis host reach it), the subscriber fetches, verifies and loads it into an
+engine's parameters (a full version is copied; an adapter version is merged from the
 base, :mod:`streamrl.engines.adapter_merge`). The adapter version is the learner's: its LoRA
 policy's packed tensor, packed in each round (the pack is part of the publish seconds).
 
@@ -34,6 +35,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -201,8 +203,9 @@ def main(argv=None) -> int:
     server = None
     url = args.redis_url
     if url is None:
+        # the Unix socket, as the launcher's processes on the Redis host use it
         server = RedisServer(Path(tempfile.mkdtemp(prefix="streamrl-bench-redis-"))).start()
-        url = server.url
+        url = server.local_url
     try:
         rows = time_versions(url, engine, versions(engine, policy), args.repeat, args.learner_step)
     finally:
@@ -210,7 +213,7 @@ def main(argv=None) -> int:
             server.stop()
     full, ad = rows["full"], rows["lora"]
     out = {"bench": "lora", "r": args.r, "targets": args.targets, "dtype": args.dtype, "layers": args.layers,
-           "learner_step": args.learner_step, **rows,
+           "learner_step": args.learner_step, "redis": urlparse(url).scheme, **rows,
            "bytes_ratio": round(ad["bytes"] / full["bytes"], 5),
            "publish_ratio": round(ad["publish_s"] / full["publish_s"], 5),
            "e2e_ratio": round(ad["e2e_s"] / full["e2e_s"], 5),
@@ -220,7 +223,7 @@ def main(argv=None) -> int:
         r = rows[kind]
         print(f"{kind:>4}: {r['bytes'] / 2**20:9.2f} MiB  publish {r['publish_s'] * 1e3:8.1f} ms  "
               f"load {r['load_s'] * 1e3:8.1f} ms  e2e {r['e2e_s'] * 1e3:8.1f} ms")
-    print(f"merge {out['merge']}")
+    print(f"Redis over {'a Unix socket' if out['redis'] == 'unix' else 'TCP'}; merge {out['merge']}")
     if args.json:
         print(json.dumps(out))
     return 0
