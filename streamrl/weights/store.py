@@ -9,6 +9,9 @@ and reused for the next version (its pages are already allocated and mapped: fre
 pages cost one fault per 4 KiB), but only when no subscriber holds a read
 lease on it (:mod:`streamrl.weights.lease`): a leased file is kept (``ShmStore.retained``)
 and recycled at a later GC, so bytes a subscriber verified never change under its engine.
+A file's name is never given twice: a new file is named by its version (``-vN.bin``), a
+recycled one by the version that freed it (``-rN.bin``), and it keeps that name for the
+version it holds next (the manifest names the path), so taking a spare costs no rename.
 
 A subscriber keeps its read-only mappings in a :class:`ReaderCache` keyed by inode: a
 recycled file keeps its inode, so the next fetch of that file reuses the mapping (no new
@@ -131,23 +134,23 @@ class ShmStore:
         self._spares: list[VersionFile] = []
 
     def path(self, version: int) -> Path:
+        """The name of a new file for ``version`` (a recycled one keeps its spare's name)."""
         return self.dir / f"streamrl-{self.run}-v{version}.bin"
 
     def create(self, version: int, total: int) -> VersionFile:
         """A mapped file for ``version``; recycles a collected version's file of the same size,
-        whose pages are already allocated and mapped (fresh tmpfs pages cost a fault each)."""
-        path = self.path(version)
+        whose pages are already allocated and mapped (fresh tmpfs pages cost a fault each), under
+        the name it got when it was freed (no reader has a manifest naming it)."""
         spare = next((f for f in reversed(self._spares) if f.total == total), None)
         if spare is not None:
             self._spares.remove(spare)
-            os.rename(spare.path, path)  # same tmpfs: the pages and our mapping stay
-            spare.path = path
             vf = spare
         else:
             while self._spares:  # another size: the model changed, none will fit again
                 self._unlink(self._spares.pop())
             # A stale file of this name (an earlier incarnation of the run) may still be mapped
             # by a reader: unlink it rather than truncate it under that reader.
+            path = self.path(version)
             path.unlink(missing_ok=True)
             vf = VersionFile(path, total, writable=True)
         self.files[version] = vf
@@ -192,7 +195,7 @@ class ShmStore:
                                 "(%d kept beyond keep_versions=%d)", v, len(self.retained), self.keep)
                 continue
             try:
-                spare_path = self.dir / f"streamrl-{self.run}-spare-v{v}.bin"
+                spare_path = self.dir / f"streamrl-{self.run}-r{v}.bin"  # a name no manifest holds
                 os.rename(vf.path, spare_path)  # under the exclusive lock: see streamrl.weights.lease
                 vf.path = spare_path
                 self._spares.append(vf)
