@@ -204,3 +204,29 @@ def test_tensor_tables_live_as_long_as_a_retained_version_names_them(redis_url, 
     publish(11, b)
     publish(12, b)  # 10 expires: a goes with it
     assert stored() == {b.digest}
+
+
+@pytest.mark.timeout(30)
+def test_table_gc_skipped_in_a_steady_layout_still_drops_what_no_version_names(redis_url, run_id):
+    """The publish script skips its table GC when the expiring version named the new version's
+    table (known for the coordinator's own versions); a layout change, or versions another
+    coordinator published (a restarted learner), still drop the tables no retained version names."""
+    a, b = Table.of('[{"name": "a"}]'), Table.of('[{"name": "b"}]')
+
+    def publish(c: Coordinator, v: int, table: Table) -> None:
+        c.publish_version(v, {}, keep=2, encoded=json.dumps({TABLE_REF: table.digest, "v": v}), table=table)
+
+    def stored(c: Coordinator) -> set[str]:
+        return {key.rsplit(":", 1)[1] for key in c.r.keys(c.keys.weights_table("*"))}
+
+    c = Coordinator(redis_url, run_id)
+    for v in range(5):  # from v2 on the expiring version named a: no table GC
+        publish(c, v, a)
+    assert stored(c) == {a.digest} and c.r.zscore(c.keys.weights_tables, a.digest) == 4
+    publish(c, 5, b)
+    publish(c, 6, b)  # 4, the last version naming a, expires
+    assert stored(c) == {b.digest}
+    restarted = Coordinator(redis_url, run_id)  # knows none of the retained versions
+    publish(restarted, 7, a)
+    publish(restarted, 8, a)  # 6, the last version naming b, expires
+    assert stored(c) == {a.digest} and c.r.zrange(c.keys.weights_tables, 0, -1) == [a.digest]

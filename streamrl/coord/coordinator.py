@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 import redis
@@ -21,6 +21,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from streamrl.coord.keys import Keys
+from streamrl.coord.overlap import OverlappedScript
 from streamrl.weights.manifest import TABLE_REF, Table, decode_table
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,9 @@ end
 # publish_version: KEYS = manifest(v), version, versions zset, the manifest's tensor table (the manifest
 # key again when it has none), tables zset[, manifest(v - keep), buckets(v - keep)]; ARGV = manifest
 # JSON, v, channel, keep, the table's digest ("" when the manifest names none), the table key prefix
-# [, v - keep]. Returns -1, having written nothing, when the named table is not in Redis; else the
-# versions still beyond ``keep`` after that.
+# [, v - keep, "0" when v - keep named v's table (no table loses its last version: drop_tables is
+# skipped, three commands of the script's twelve) else "1"]. Returns -1, having written nothing, when
+# the named table is not in Redis; else the versions still beyond ``keep`` after that.
 _PUBLISH = _DROP_TABLES + """
 local digest = ARGV[5]
 if digest ~= '' and redis.call('EXISTS', KEYS[4]) == 0 then return -1 end
@@ -144,7 +146,7 @@ redis.call('PUBLISH', ARGV[3], ARGV[2])
 if #KEYS > 5 then
   redis.call('DEL', KEYS[6], KEYS[7])
   redis.call('ZREM', KEYS[3], ARGV[7])
-  drop_tables(KEYS[3], KEYS[5], ARGV[6])
+  if ARGV[8] == '1' then drop_tables(KEYS[3], KEYS[5], ARGV[6]) end
 end
 return redis.call('ZRANGE', KEYS[3], 0, -(tonumber(ARGV[4]) + 1))
 """
@@ -177,10 +179,12 @@ class Coordinator:
         self._reserve = self.r.register_script(_RESERVE)
         self._max_set = self.r.register_script(_MAX_SET)
         self._publish = self.r.register_script(_PUBLISH)
+        self._publish_overlapped = OverlappedScript(self.r, self._publish)  # publish_version's ``meanwhile``
         self._gc_tables = self.r.register_script(_GC_TABLES)
         self.last_published: tuple[int, dict[str, Any]] | None = None
         """(version, manifest) of the newest :meth:`publish_version` call, for :meth:`reassert_version`."""
         self._last_stored: tuple[str, Table | None] | None = None  # that manifest as stored, and its table
+        self._named_tables: dict[int, str] = {}  # retained versions this coordinator published -> table digest
         self._tables: dict[str, list] = {}  # digest -> decoded tensor table (checked once), oldest first
         self._tables_lock = threading.Lock()  # a subscriber and its collective receiver thread share it
 
@@ -210,7 +214,8 @@ class Coordinator:
 
     # -- weights versions ------------------------------------------------------------------
     def publish_version(self, version: int, manifest: dict[str, Any], keep: int = 3,
-                        encoded: str | None = None, table: Table | None = None) -> None:
+                        encoded: str | None = None, table: Table | None = None,
+                        meanwhile: Callable[[], Any] | None = None) -> None:
         """Store the manifest, advance the version, notify subscribers, expire old versions.
 
         One Lua script, so one command and one reply, and atomic: nobody sees the version
@@ -222,23 +227,31 @@ class Coordinator:
         table is not in Redis (the layout's first version, or Redis lost its state): the table is
         stored then and the script run again, so a stored manifest's table is always there. A table
         lives as long as a retained version names it: expiring versions deletes the tables only
-        they named (``_DROP_TABLES``).
+        they named (``_DROP_TABLES``). ``meanwhile``: work run once while Redis runs the script
+        (:class:`~streamrl.coord.overlap.OverlappedScript`), such as the store's GC.
         """
-        k = self.keys
+        k, named = self.keys, self._named_tables
+        digest = table.digest if table is not None else ""
         keys = [k.manifest(version), k.version, k.weights_versions,
-                k.weights_table(table.digest) if table is not None else k.manifest(version), k.weights_tables]
+                k.weights_table(digest) if digest else k.manifest(version), k.weights_tables]
         text = encoded if encoded is not None else json.dumps(manifest)
-        args = [text, version, k.weights_channel, keep, table.digest if table is not None else "",
-                k.weights_table("")]
+        args = [text, version, k.weights_channel, keep, digest, k.weights_table("")]
         if version - keep >= 0:
             keys += [k.manifest(version - keep), k.weights_buckets(version - keep)]
-            args.append(version - keep)
-        stale = self._publish(keys=keys, args=args)
+            same = digest != "" and named.get(version - keep) == digest  # known only for our own versions
+            args += [version - keep, "0" if same else "1"]
+        if meanwhile is None:
+            stale = self._publish(keys=keys, args=args)
+        else:
+            stale = self._publish_overlapped(keys, args, meanwhile)
         if stale == -1:
             self.r.set(k.weights_table(table.digest), table.text)
             stale = self._publish(keys=keys, args=args)
         self.last_published = (version, manifest)
         self._last_stored = (text, table)
+        named[version] = digest
+        for v in [v for v in named if v <= version - keep]:
+            del named[v]
         if stale:  # versions not one apart, or left by an earlier incarnation of the run
             self.gc_versions(keep)
 
@@ -517,4 +530,5 @@ class Coordinator:
         return out
 
     def close(self) -> None:
+        self._publish_overlapped.close()
         self.r.close()

@@ -151,8 +151,9 @@ class WeightPublisher:
         manifest["state"] = "complete"
         manifest["buckets"] = layout.buckets
         encoded, table = self._json.encode(manifest)
-        self.coord.publish_version(version, manifest, keep=self.keep, encoded=encoded, table=table)
-        self.collect()
+        # the store's GC (file renames) runs while Redis runs the announcement
+        self.coord.publish_version(version, manifest, keep=self.keep, encoded=encoded, table=table,
+                                   meanwhile=self.collect)
         return {"weights/gather_s": gather_s, "weights/write_s": write_s,
                 "weights/publish_s": time.perf_counter() - t0, "weights/bytes": float(layout.total_bytes),
                 "weights/buckets": float(len(layout.buckets)), "weights/peak_tensor_bytes": float(peak),
