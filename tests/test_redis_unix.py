@@ -65,6 +65,7 @@ def test_coordinator_over_the_socket_publishes_and_recovers_after_a_restart(unix
     ran = []
 
     def publish(v: int) -> None:
+        c.wake_for_publish()  # as the publisher does: a PING first, its reply read with the script's
         c.publish_version(v, {}, keep=2, encoded=json.dumps({TABLE_REF: table.digest, "v": v}), table=table,
                           meanwhile=lambda: ran.append(v))
 
@@ -81,18 +82,23 @@ def test_coordinator_over_the_socket_publishes_and_recovers_after_a_restart(unix
     c.close()
 
 
-def test_overlapped_work_that_raises_leaves_no_reply_unread(unix_server, run_id):
+def test_overlapped_work_that_raises_or_unread_pings_leave_no_reply_behind(unix_server, run_id):
     c = Coordinator(unix_server.local_url, run_id)
 
     def boom():
         raise RuntimeError("meanwhile failed")
 
     c.publish_version(0, {"v": 0}, keep=2, meanwhile=lambda: None)  # Redis has the script from here on
+    c.wake_for_publish()
     with pytest.raises(RuntimeError, match="meanwhile failed"):
         c.publish_version(1, {"v": 1}, keep=2, meanwhile=boom)
     assert c.wait_version(0, timeout_s=5, poll_s=0.01) == 1  # sent before the work ran (read on another connection)
+    c.wake_for_publish()
+    c.wake_for_publish()  # a publish that failed before its announcement left a PING unanswered
     c.publish_version(2, {"v": 2}, keep=2, meanwhile=lambda: None)  # the connection starts afresh
     assert c.current_version() == 2 and c.manifest(2) == {"v": 2}
+    c.publish_version(3, {"v": 3}, keep=2, meanwhile=lambda: None)  # every PONG was read: the reply is the script's
+    assert c.current_version() == 3 and c.manifest(1) is None
     c.close()
 
 
@@ -118,3 +124,19 @@ def test_launcher_hands_the_socket_to_its_processes(tmp_path_factory, repo, redi
     # a given --redis-url (another host's Redis, or one of a container) is handed on as it is
     given = cli.prepare(cli.parse_args(argv + ["--redis-url", redis_server.url]))
     assert redis_urls(given, None) == (redis_server.url, redis_server.url)
+
+
+def test_overlapped_script_reads_its_own_reply_after_the_pings(unix_server):
+    from streamrl.coord.overlap import OverlappedScript
+
+    client = redis.Redis.from_url(unix_server.local_url, decode_responses=True)
+    echo = OverlappedScript(client, client.register_script("return ARGV[1]"))
+    done = []
+    assert echo([], ["first"], lambda: done.append(1)) == "first"  # NOSCRIPT: run through the client
+    for n in range(3):
+        for _ in range(n):
+            echo.wake()
+        assert echo([], [f"v{n}"], lambda: done.append(1)) == f"v{n}" and echo.pings == 0
+    assert len(done) == 4
+    echo.close()
+    client.close()

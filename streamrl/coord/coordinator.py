@@ -255,6 +255,12 @@ class Coordinator:
         if stale:  # versions not one apart, or left by an earlier incarnation of the run
             self.gc_versions(keep)
 
+    def wake_for_publish(self) -> None:
+        """Wake Redis for a :meth:`publish_version` with ``meanwhile`` to follow: a PING sent now on
+        the announcement's connection, its reply read with the script's
+        (:meth:`~streamrl.coord.overlap.OverlappedScript.wake`)."""
+        self._publish_overlapped.wake()
+
     def reassert_version(self) -> bool:
         """Write the newest published version and its manifest again (after Redis lost its state:
         the embedded Redis has no persistence). True when there was one to write."""

@@ -121,6 +121,7 @@ class WeightPublisher:
         already queued on its stream (the tail of the learner's step), not the copy itself.
         """
         t0 = time.perf_counter()
+        self.coord.wake_for_publish()  # Redis wakes while the version is written
         layout = self._layout(specs)
         manifest, vf = self._begin(version, layout)
         writer = _BucketWriter(self, version, layout, vf)
