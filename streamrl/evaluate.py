@@ -58,14 +58,51 @@ def eval_set(cfg: Config, task) -> list[Problem]:
     return eval_problems(task, cfg.run.seed, cfg.eval.size)
 
 
+def eval_decoder(cfg: Config, model, tok, max_new_tokens: int | None = None):
+    """What evaluation decodes with under ``eval.engine``, for ``model`` already on ``eval.device``.
+
+    ``hf``: ``model`` itself (transformers ``generate`` in ``model.dtype``). ``hf_fast``: a
+    :class:`~streamrl.engines.hf_fast.FastHFEngine` over ``model``, cast in place to the rollout's
+    dtype (``rollout.dtype``, the dtype the policy is sampled in), with ``eval.batch_size`` slots
+    refilled as answers end and room for the longest prompt the rollout admits plus
+    ``max_new_tokens`` (default: the eval's). Greedy answers of the two engines agree where the
+    logits have no near-ties; both sides of a comparison should be scored by the same one.
+    """
+    if cfg.eval.engine == "hf":
+        return model
+    from streamrl.engines.hf_fast import FastHFEngine  # noqa: PLC0415 (only the fast path needs the engine)
+    from streamrl.engines.hf_fast_config import FastHFConfig  # noqa: PLC0415
+    from streamrl.engines.precision import DTYPES, engine_dtype_name  # noqa: PLC0415
+
+    rc = cfg.rollout
+    new = max_new_tokens or cfg.eval.max_new_tokens or rc.max_new_tokens
+    model.to(DTYPES[engine_dtype_name(cfg)])
+    device = str(next(model.parameters()).device)
+    return FastHFEngine(model, tok, FastHFConfig(device=device, batch_size=cfg.eval.batch_size,
+                                                 max_seq_len=rc.max_model_len + max(0, new - rc.max_new_tokens)))
+
+
+def _engine_ids(engine, prompts: list[list[int]], max_new_tokens: int, temperature: float | None,
+                samples: int) -> list[list[list[int]]]:
+    """:func:`generate_ids` through a :class:`~streamrl.engines.hf_fast.FastHFEngine` (``samples``
+    copies of each prompt at ``temperature``; greedy when it is None)."""
+    k = 1 if temperature is None else samples
+    rows = [p for p in prompts for _ in range(k)]
+    out = engine.generate(rows, max_new_tokens, temperature=0.0 if temperature is None else temperature).tokens
+    return [out[i * k:(i + 1) * k] for i in range(len(prompts))]
+
+
 @torch.no_grad()
 def generate_ids(model, tok, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None = None,
                  samples: int = 1) -> list[list[list[int]]]:
     """Response token ids to ``prompts`` (token ids, any lengths): ``[len(prompts)][samples]`` lists.
 
-    ``temperature=None`` decodes greedily (one response each); otherwise ``samples`` responses
-    are drawn from the plain tempered softmax (no top-k / top-p from the model's generation config).
+    ``model``: a transformers model, or the engine :func:`eval_decoder` builds. ``temperature=None``
+    decodes greedily (one response each); otherwise ``samples`` responses are drawn from the plain
+    tempered softmax (no top-k / top-p from the model's generation config).
     """
+    if not isinstance(model, torch.nn.Module):
+        return _engine_ids(model, prompts, max_new_tokens, temperature, samples)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     width = max(map(len, prompts))
     inp = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -109,13 +146,14 @@ def evaluate(model, tok, problems: list[Problem], reward: CombinedReward, *, cha
              seed: int = 0, truncated_scores_zero: bool = False) -> dict[str, float]:
     """Greedy accuracy (and pass@k with ``samples = k > 0``) of ``model`` on ``problems``.
 
-    ``truncated_scores_zero``: a response cut at ``max_new_tokens`` scores 0 (the task's rule,
+    ``model``: a transformers model, or what :func:`eval_decoder` returns for it. ``truncated_scores_zero``: a response cut at ``max_new_tokens`` scores 0 (the task's rule,
     :mod:`streamrl.tasks.truncation`). Returns ``{"eval/accuracy", "eval/reward_mean",
     "eval/truncated", "eval/n"}`` plus per-set accuracies and ``"eval/pass@k"`` /
     ``"eval/mean@k"`` when sampling (see the module doc).
     """
-    was_training = model.training
-    model.eval()
+    module = model if isinstance(model, torch.nn.Module) else model.model  # an eval_decoder engine holds its model
+    was_training = module.training
+    module.eval()
     encode = PromptEncoder(tok, chat_template)  # the worker's encoding: eval prompts match training's
     greedy, lengths, cut, solved, sample_hits = [], [], 0, 0, 0
     gen = torch.Generator().manual_seed(seed)
@@ -136,7 +174,7 @@ def evaluate(model, tok, problems: list[Problem], reward: CombinedReward, *, cha
                 hits = sum(r >= CORRECT for r in scores)
                 solved += hits > 0
                 sample_hits += hits
-    model.train(was_training)
+    module.train(was_training)
     n = max(len(problems), 1)
     out = {"eval/accuracy": sum(r >= CORRECT for r in greedy) / n, "eval/reward_mean": sum(greedy) / n,
            "eval/truncated": cut / n, "eval/n": len(problems), **length_stats(lengths),
@@ -244,7 +282,8 @@ def main(argv=None) -> int:
         return 2
     t0 = time.time()
     model, tok = load_for_eval(cfg, args.checkpoint, args.device or cfg.eval.device)
-    res = evaluate_config(model, tok, cfg, task, problems, args.max_new_tokens, args.batch_size)
+    decoder = eval_decoder(cfg, model, tok, args.max_new_tokens)
+    res = evaluate_config(decoder, tok, cfg, task, problems, args.max_new_tokens, args.batch_size)
     res.update({"checkpoint": args.checkpoint, "model": args.model, "task": cfg.task.name, "seconds": time.time() - t0})
     if args.json:
         print(json.dumps(res))

@@ -116,3 +116,28 @@ def test_eval_cli_scores_an_exported_folder_by_model(tmp_path, capsys):
     assert eval_main(["--config", "configs/tiny.yaml", "--model", str(folder), "--json", "eval.size=3"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["model"] == str(folder) and res["eval/n"] == 3
+
+
+def test_the_fast_engine_scores_like_transformers_generate(tmp_path):
+    """eval.engine=hf_fast (the rollout engine, slots refilled as answers end) gives the same greedy
+    answers, lengths and scores as transformers' generate on the same float32 model, with fewer
+    slots than problems; a sampled pass@k runs through it too."""
+    from streamrl.evaluate import eval_decoder, generate_ids
+
+    folder = tiny_llama_folder(tmp_path / "hf")
+    rows = {}
+    for engine in ("hf", "hf_fast"):
+        cfg = load_config("configs/tiny.yaml", [f"model.path={folder}", f"eval.engine={engine}", "eval.size=6",
+                                                "eval.batch_size=4", "rollout.max_new_tokens=12"])
+        model, tok = load_model_and_tokenizer(cfg.model, seed=0)
+        decoder = eval_decoder(cfg, model, tok)
+        prompts = [tok.encode(f"{i} + {i} =") for i in range(6)]
+        rows[engine] = (generate_ids(decoder, tok, prompts, max_new_tokens=12), evaluate_config(decoder, tok, cfg))
+    assert rows["hf_fast"] == rows["hf"]
+    sampled = evaluate_config(decoder, tok, load_config("configs/tiny.yaml", ["eval.size=3", "eval.samples=2"]))
+    assert 0 <= sampled["eval/pass@2"] <= 1
+
+
+def test_eval_engine_is_checked_by_name():
+    with pytest.raises(ValueError, match=r"eval\.engine.*'vllm'.*must be one of"):
+        load_config(None, ["eval.engine=vllm"])

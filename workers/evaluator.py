@@ -33,7 +33,8 @@ import torch
 from streamrl.config import config_from_dict
 from streamrl.coord.coordinator import Coordinator
 from streamrl.engines.hf import HFEngine
-from streamrl.evaluate import EVAL_FILE, eval_set, evaluate_config
+from streamrl.engines.hf_fast import FastHFEngine
+from streamrl.evaluate import EVAL_FILE, eval_decoder, eval_set, evaluate_config
 from streamrl.metrics import MultiSink, RateLimitedRedisSink, tensorboard_sink
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.tasks import build_task
@@ -70,7 +71,10 @@ class Evaluator:
                              f"not {cfg.weights.target!r}")
         device = args.device or cfg.eval.device
         model, self.tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
-        self.engine = HFEngine(model, self.tok, device=device)  # copies published weights into the model
+        # the engine copies published weights into the model (the fast one casting them to its dtype);
+        # the decoder is what evaluate() generates with: the model itself, or that fast engine
+        self.decoder = eval_decoder(cfg, model.to(device), self.tok)
+        self.engine = self.decoder if isinstance(self.decoder, FastHFEngine) else HFEngine(model, self.tok, device)
         self.task = build_task(cfg.task)
         self.problems = eval_set(cfg, self.task)
         self.subscriber = make_subscriber(self.coord, cfg, device=device)
@@ -104,7 +108,7 @@ class Evaluator:
         t0 = time.perf_counter()
         self.busy = True
         try:
-            res = evaluate_config(self.engine.model, self.tok, self.cfg, self.task, self.problems)
+            res = evaluate_config(self.decoder, self.tok, self.cfg, self.task, self.problems)
         finally:
             self.busy = False
         row = {"eval/version": version, **res, "eval/seconds": time.perf_counter() - t0, "time": time.time()}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from streamrl.evaluate import evaluate_config, eval_set
+from streamrl.evaluate import eval_decoder, evaluate_config, eval_set
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.tasks import build_task
 
@@ -31,18 +31,19 @@ def stderr(p: float, n: int) -> float:
 
 
 def score_folder(folder: str | Path, cfg, device: str) -> dict:
-    """Greedy held-out evaluation of the HF folder ``folder`` under ``cfg``'s task and ``eval.*``.
+    """Greedy held-out evaluation of the HF folder ``folder`` under ``cfg``'s task and ``eval.*``
+    (``eval.engine`` decodes: see :func:`streamrl.evaluate.eval_decoder`).
 
     Returns the curve fields: ``accuracy``, ``stderr``, ``truncated``, ``response_tokens_median``,
     ``n`` and ``sets`` (``{set: {"accuracy", "stderr", "n"}}`` per held-out set of a task mix).
     """
     model_cfg = dataclasses.replace(cfg.model, path=str(folder))
     model, tok = load_model_and_tokenizer(model_cfg, seed=cfg.run.seed)
-    model.to(device)
+    decoder = eval_decoder(cfg, model.to(device), tok)
     task = build_task(cfg.task)
     with torch.no_grad():
-        row = evaluate_config(model, tok, cfg, task, eval_set(cfg, task))
-    del model
+        row = evaluate_config(decoder, tok, cfg, task, eval_set(cfg, task))
+    del model, decoder
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return curve_fields(row)
