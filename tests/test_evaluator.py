@@ -5,6 +5,7 @@ import json
 import subprocess
 
 import pytest
+import torch
 
 from streamrl.config import load_config
 from streamrl.evaluate import evaluate, evaluate_config, eval_set, read_eval_summary
@@ -141,3 +142,36 @@ def test_the_fast_engine_scores_like_transformers_generate(tmp_path):
 def test_eval_engine_is_checked_by_name():
     with pytest.raises(ValueError, match=r"eval\.engine.*'vllm'.*must be one of"):
         load_config(None, ["eval.engine=vllm"])
+
+
+def test_one_fast_scorer_serves_many_folders_as_fresh_ones_would(tmp_path):
+    """The race's scorer keeps one hf_fast engine and copies each folder's weights into it: after a
+    second folder (other weights) it answers exactly as an engine built for that folder alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from streamrl.bench.race_curve import FolderScorer
+    from streamrl.evaluate import eval_decoder, generate_ids
+
+    first = tiny_llama_folder(tmp_path / "a")
+    other = AutoModelForCausalLM.from_pretrained(first)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    other.save_pretrained(tmp_path / "b")
+    AutoTokenizer.from_pretrained(first).save_pretrained(tmp_path / "b")
+    overrides = ["eval.engine=hf_fast", "eval.size=6", "eval.batch_size=4", "rollout.max_new_tokens=12"]
+    cfg = load_config("configs/tiny.yaml", [f"model.path={first}", *overrides])
+    shared = FolderScorer(cfg, "cpu")
+    rows = [shared(first), shared(tmp_path / "b")]
+    engine = shared.decoder
+    assert rows[1] == FolderScorer(cfg, "cpu")(tmp_path / "b") and shared.decoder is engine
+
+    def answers(decoder, tok):
+        return generate_ids(decoder, tok, [tok.encode(f"{i} + 1 =") for i in range(4)], max_new_tokens=12)
+
+    cfg_b = load_config("configs/tiny.yaml", [f"model.path={tmp_path / 'b'}", *overrides])
+    model_b, tok = load_model_and_tokenizer(cfg_b.model, seed=0)
+    model_a, _ = load_model_and_tokenizer(cfg.model, seed=0)
+    assert answers(engine, tok) == answers(eval_decoder(cfg_b, model_b, tok), tok)
+    assert answers(engine, tok) != answers(eval_decoder(cfg, model_a, tok), tok)  # the copy took

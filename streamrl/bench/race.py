@@ -6,7 +6,7 @@ size, learning rate, temperature, token limit and reward for the same wall-clock
 Each exports HF folders at 25/50/75/100 % of the budget (StreamRL: the learner's in-run
 exports, :mod:`streamrl.bench.race_streamrl`; TRL: a callback, :mod:`streamrl.bench.peer_trl`),
 and every folder, with the base model at time 0, is scored by one evaluator
-(:func:`streamrl.bench.race_curve.score_folder`: greedy, the config's held-out set and
+(:class:`streamrl.bench.race_curve.FolderScorer`: greedy, the config's held-out set and
 ``eval.max_new_tokens``).
 
 One side per invocation (a GPU call fits one side; ``--phase train`` then ``--phase score`` split
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from streamrl.bench.race_curve import compare, plot, score_folder
+from streamrl.bench.race_curve import FolderScorer, compare, plot
 from streamrl.bench.race_streamrl import run_streamrl_side
 from streamrl.config import load_config
 
@@ -61,7 +61,7 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def scored_curve(cfg, points: list[dict], base: dict, device: str, budget_s: float) -> list[dict]:
+def scored_curve(cfg, points: list[dict], base: dict, score: FolderScorer, budget_s: float) -> list[dict]:
     """The base model's point then each export's, scored by the one evaluator."""
     curve = [{"fraction": 0.0, "time_s": 0.0, "step": 0, "samples": 0, **base}]
     scores = {str(cfg.model.path): base}  # a folder scored once (the base model may stand at several marks)
@@ -70,7 +70,7 @@ def scored_curve(cfg, points: list[dict], base: dict, device: str, budget_s: flo
         if fields["time_s"] is None:  # a mark reached before the first export: the base model then
             fields["time_s"] = pt["fraction"] * budget_s
         if str(pt["folder"]) not in scores:
-            scores[str(pt["folder"])] = score_folder(pt["folder"], cfg, device)
+            scores[str(pt["folder"])] = score(pt["folder"])
         curve.append({**fields, **scores[str(pt["folder"])]})
     return curve
 
@@ -103,9 +103,11 @@ def score_side(args, side: str, cfg, out: Path, device: str) -> dict:
         raise ValueError(f"--phase score: no {path} (run --side {side} --phase train --out {out} first)")
     trained = json.loads(path.read_text())
     t0 = time.time()
-    base = score_folder(cfg.model.path, cfg, device)
-    result = {"side": side, "budget_s": trained["budget_s"], "train_wall_s": trained["train_wall_s"],
-              "curve": scored_curve(cfg, trained["points"], base, device, trained["budget_s"]),
+    score = FolderScorer(cfg, device)
+    base = score(cfg.model.path)
+    curve = scored_curve(cfg, trained["points"], base, score, trained["budget_s"])
+    score.close()
+    result = {"side": side, "budget_s": trained["budget_s"], "train_wall_s": trained["train_wall_s"], "curve": curve,
               "config": args.config, "overrides": args.overrides, "scoring_s": round(time.time() - t0, 1)}
     (out / f"{side}.json").write_text(json.dumps(result, indent=2))
     return result

@@ -1,7 +1,7 @@
 """Scoring the race's checkpoints with one evaluator, and comparing the two accuracy curves.
 
 Every checkpoint of both sides (and the base model, at time 0) goes through
-:func:`score_folder`: the same held-out problems, the same greedy decode, the same token limit
+:class:`FolderScorer`: the same held-out problems, the same greedy decode, the same token limit
 and the same reward (:func:`streamrl.evaluate.evaluate_config`), so a gap between the curves is
 the training's and not the scorer's.
 
@@ -30,23 +30,41 @@ def stderr(p: float, n: int) -> float:
     return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
 
 
-def score_folder(folder: str | Path, cfg, device: str) -> dict:
-    """Greedy held-out evaluation of the HF folder ``folder`` under ``cfg``'s task and ``eval.*``
-    (``eval.engine`` decodes: see :func:`streamrl.evaluate.eval_decoder`).
+class FolderScorer:
+    """Greedy held-out evaluation of HF folders (checkpoints of one model) under ``cfg``'s task and ``eval.*``.
 
-    Returns the curve fields: ``accuracy``, ``stderr``, ``truncated``, ``response_tokens_median``,
-    ``n`` and ``sets`` (``{set: {"accuracy", "stderr", "n"}}`` per held-out set of a task mix).
+    The held-out set is built once. With ``eval.engine: hf_fast`` one engine
+    (:func:`streamrl.evaluate.eval_decoder`) serves every folder: each folder's weights are copied
+    into it, so its compiled, graph-captured decode step is built once, not once a folder.
+    ``scorer(folder)`` returns the curve fields: ``accuracy``, ``stderr``, ``truncated``,
+    ``response_tokens_median``, ``n`` and ``sets`` (``{set: {"accuracy", "stderr", "n"}}`` per
+    held-out set of a task mix).
     """
-    model_cfg = dataclasses.replace(cfg.model, path=str(folder))
-    model, tok = load_model_and_tokenizer(model_cfg, seed=cfg.run.seed)
-    decoder = eval_decoder(cfg, model.to(device), tok)
-    task = build_task(cfg.task)
-    with torch.no_grad():
-        row = evaluate_config(decoder, tok, cfg, task, eval_set(cfg, task))
-    del model, decoder
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return curve_fields(row)
+
+    def __init__(self, cfg, device: str):
+        self.cfg, self.device = cfg, device
+        self.task = build_task(cfg.task)
+        self.problems = eval_set(cfg, self.task)
+        self.decoder = self.tok = None
+
+    def __call__(self, folder: str | Path) -> dict:
+        model, tok = load_model_and_tokenizer(dataclasses.replace(self.cfg.model, path=str(folder)),
+                                              seed=self.cfg.run.seed)
+        if self.decoder is None or isinstance(self.decoder, torch.nn.Module):
+            self.close()
+            self.decoder, self.tok = eval_decoder(self.cfg, model.to(self.device), tok), tok
+        else:  # the engine casts as it copies (its own dtype), into the storage its graphs read
+            self.decoder.load_weights(model.named_parameters())
+        del model
+        with torch.no_grad():
+            row = evaluate_config(self.decoder, self.tok, self.cfg, self.task, self.problems)
+        return curve_fields(row)
+
+    def close(self) -> None:
+        """Free the model or engine (and its cache) on the device."""
+        self.decoder = None
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
 
 
 def curve_fields(row: dict) -> dict:

@@ -16,6 +16,10 @@
 #   call 1, carry [.smolA, .redis, .whlpeer]: STAGE=1 bash tools/gpu/race.sh
 #   call 2, carry [.smolB, .whl]:             STAGE=1 bash tools/gpu/race.sh   (also prepares the model)
 #   call 3, carry [.whlrg]:                   SIDE=streamrl bash tools/gpu/race.sh
+#   call 4, carry nothing:                    SIDE=peer bash tools/gpu/race.sh
+# At BUDGET=360 on one H100 call 3 takes ~430 s and call 4 ~380 s (scoring five checkpoints with eval.engine
+# hf_fast: ~35 s a side). Another pair on the same warm machine is two more calls; give each pair its own seed,
+# the same on both sides (run.seed also draws the held-out set):  SIDE=streamrl bash tools/gpu/race.sh run.seed=1
 set -uo pipefail
 mkdir -p /tmp/stage /tmp/smol
 for d in .smolA .smolB .whl .whlrg .whlpeer .redis; do
@@ -23,13 +27,15 @@ for d in .smolA .smolB .whl .whlrg .whlpeer .redis; do
 done
 [[ -f /tmp/stage/.whl/gguf-0.19.0-py3-none-any.whl ]] || { echo "race.sh: staged so far: $(ls -A /tmp/stage)"; exit 0; }
 source tools/gpu/env.sh || exit 1
-if [[ -d .whlrg ]]; then
+# installed once per machine: the later calls of a session (the peer, a second pair) skip it
+if [[ -d .whlrg && "$(cat /tmp/site/.whlrg-list 2>/dev/null)" != "$(ls .whlrg/)" ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlrg/*.whl || exit 1
   # pycosat (reasoning-gym imports it) ships no py3.12 wheel: build it here from its sdist (setuptools is in .whlrg)
   if compgen -G ".whlrg/pycosat-*.tar.gz" >/dev/null && ! python3 -c "import pycosat" 2>/dev/null; then
     python3 -m pip wheel -q --no-index --no-deps --no-build-isolation -w /tmp/pycosat .whlrg/pycosat-*.tar.gz &&
       python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/pycosat/*.whl || exit 1
   fi
+  ls .whlrg/ > /tmp/site/.whlrg-list
 fi
 if [[ -d .whlpeer && ! -d /tmp/peer/trl ]]; then  # the peer's packages in their own target, on its path only
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer .whlpeer/*.whl || exit 1
