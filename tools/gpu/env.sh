@@ -2,10 +2,17 @@
 # ../shared/tools/device-wheels.sh). The device has no package index: wheels go to /tmp/site and
 # the project is laid out as the installed package would be (workers/ -> streamrl.workers,
 # launcher/ -> streamrl.launcher).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+# Both steps are skipped when already done, so runs sourcing this in parallel (tools/gpu/on_each_gpu.sh,
+# after one has sourced it alone) do not rewrite what the others are reading.
+if [[ "$(cat /tmp/site/.whl-list 2>/dev/null)" != "$(ls .whl/)" ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+  ls .whl/ > /tmp/site/.whl-list
+fi
 # This checkout is the device's own copy: lay workers/ and launcher/ into the package in place
 # (python -m puts the working directory first on sys.path, so it must be complete here).
-rm -rf streamrl/workers streamrl/launcher && cp -r workers streamrl/workers && cp -r launcher streamrl/launcher || return 1
+if ! diff -rq -x __pycache__ workers streamrl/workers >/dev/null 2>&1 || ! diff -rq -x __pycache__ launcher streamrl/launcher >/dev/null 2>&1; then
+  rm -rf streamrl/workers streamrl/launcher && cp -r workers streamrl/workers && cp -r launcher streamrl/launcher || return 1
+fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 export LD_LIBRARY_PATH=$PWD/.redis${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PATH=$PWD/.redis:$PATH
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

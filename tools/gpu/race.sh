@@ -20,10 +20,15 @@
 # At BUDGET=360 on one H100 call 3 takes ~430 s and call 4 ~380 s (scoring five checkpoints with eval.engine
 # hf_fast: ~35 s a side). Another pair on the same warm machine is two more calls; give each pair its own seed,
 # the same on both sides (run.seed also draws the held-out set):  SIDE=streamrl bash tools/gpu/race.sh run.seed=1
+# On a machine with several GPUs, one call runs several sides at once, one per GPU (tools/gpu/on_each_gpu.sh):
+#   call 3, carry [.whlrg]:  STAGE=1 bash tools/gpu/race.sh && bash tools/gpu/on_each_gpu.sh \
+#     "SIDE=streamrl bash tools/gpu/race.sh run.seed=1" "SIDE=peer bash tools/gpu/race.sh run.seed=1" ...
 set -uo pipefail
 mkdir -p /tmp/stage /tmp/smol
 for d in .smolA .smolB .whl .whlrg .whlpeer .redis; do
-  if [[ -d $d ]]; then rm -rf "/tmp/stage/$d" && cp -r "$d" /tmp/stage/; elif [[ -d /tmp/stage/$d ]]; then ln -sfn "/tmp/stage/$d" "$d"; fi
+  if [[ -d $d && ! -L $d ]]; then  # carried by this call: kept for the later ones (copied once: parallel runs read it)
+    [[ "$(ls "$d")" == "$(ls "/tmp/stage/$d" 2>/dev/null)" ]] || { rm -rf "/tmp/stage/$d" && cp -r "$d" /tmp/stage/; }
+  elif [[ -d /tmp/stage/$d && ! -e $d ]]; then ln -s "/tmp/stage/$d" "$d"; fi
 done
 [[ -f /tmp/stage/.whl/gguf-0.19.0-py3-none-any.whl ]] || { echo "race.sh: staged so far: $(ls -A /tmp/stage)"; exit 0; }
 source tools/gpu/env.sh || exit 1
@@ -50,7 +55,8 @@ SIDE=${SIDE:-streamrl}
 [[ $SIDE == peer ]] && export PYTHONPATH=$PYTHONPATH:/tmp/peer
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; uptime
+RACE_DIR=${RACE_DIR:-/tmp/race}  # tools/gpu/on_each_gpu.sh gives each parallel run its own
 python3 -m streamrl.bench.cli race --config ${CONFIG:-configs/gpu-reasoning.yaml} --side "$SIDE" --phase "${PHASE:-all}" \
-  --out /tmp/race --budget-s "${BUDGET:-360}" model.path=$MODEL "$@" 2>&1 | tail -25
-cp /tmp/race/*.json "$OUT/" 2>/dev/null; for f in /tmp/race/*.log; do tail -60 "$f" > "$OUT/$(basename "$f")"; done
-ls /tmp/race
+  --out "$RACE_DIR" --budget-s "${BUDGET:-360}" model.path=$MODEL "$@" 2>&1 | tail -25
+cp "$RACE_DIR"/*.json "$OUT/" 2>/dev/null; for f in "$RACE_DIR"/*.log; do tail -60 "$f" > "$OUT/$(basename "$f")"; done
+ls "$RACE_DIR"

@@ -7,6 +7,8 @@
 # Stage the device first as tools/gpu/race.sh says (its calls 1 and 2), then one call per setting and
 # repeat, carrying what race.sh's call 3 carries:
 #   SETTING=fixed2 REP=0 bash tools/gpu/staleness_sweep.sh
+# A machine with several GPUs runs one setting per GPU in one call (its runs land in $OUT/job<k>/sweep/):
+#   STAGE=1 bash tools/gpu/race.sh && bash tools/gpu/on_each_gpu.sh "SETTING=fixed1 REP=0 bash tools/gpu/staleness_sweep.sh" ...
 # Outputs: $OUT/sweep/$SETTING-r$REP/{streamrl.json, metrics.jsonl, launch.log}. Gather the folders of
 # every call under one directory here, then:
 #   python tools/gpu/staleness_sweep.py combine DIR --json            (time-to-accuracy per setting)
@@ -21,7 +23,7 @@ mkdir -p "$DEST"
 # shellcheck disable=SC2086  # the setting's overrides are separate words
 SIDE=streamrl BUDGET=${BUDGET:-240} OUT=$DEST timeout "${SWEEP_TIMEOUT:-570}" bash tools/gpu/race.sh $OVERRIDES "$@"
 rc=$?
-cp /tmp/race/streamrl-run/metrics.jsonl "$DEST/" 2>/dev/null
+cp "${RACE_DIR:-/tmp/race}"/streamrl-run/metrics.jsonl "$DEST/" 2>/dev/null
 mv "$DEST/streamrl-launch.log" "$DEST/launch.log" 2>/dev/null
 rm -f "$DEST/streamrl-exports.json"
 [[ -f $DEST/streamrl.json ]] || { echo "staleness_sweep.sh: no streamrl.json for $SETTING-r$REP (rc $rc)"; exit 1; }
