@@ -146,7 +146,8 @@ def evaluate(model, tok, problems: list[Problem], reward: CombinedReward, *, cha
              seed: int = 0, truncated_scores_zero: bool = False) -> dict[str, float]:
     """Greedy accuracy (and pass@k with ``samples = k > 0``) of ``model`` on ``problems``.
 
-    ``model``: a transformers model, or what :func:`eval_decoder` returns for it. ``truncated_scores_zero``: a response cut at ``max_new_tokens`` scores 0 (the task's rule,
+    ``model``: a transformers model, or what :func:`eval_decoder` returns for it.
+    ``truncated_scores_zero``: a response cut at ``max_new_tokens`` scores 0 (the task's rule,
     :mod:`streamrl.tasks.truncation`). Returns ``{"eval/accuracy", "eval/reward_mean",
     "eval/truncated", "eval/n"}`` plus per-set accuracies and ``"eval/pass@k"`` /
     ``"eval/mean@k"`` when sampling (see the module doc).

@@ -61,7 +61,9 @@ class FolderScorer:
         return curve_fields(row)
 
     def close(self) -> None:
-        """Free the model or engine (and its cache) on the device."""
+        """Free the model or engine (its KV cache and captured graphs) on the device."""
+        if self.decoder is not None and not isinstance(self.decoder, torch.nn.Module):
+            self.decoder.close()
         self.decoder = None
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
