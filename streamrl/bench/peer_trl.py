@@ -11,7 +11,10 @@ template, the reward (``rollout.rewards`` through :func:`streamrl.rewards.build_
 the task's truncation rule), ``rollout.group_size`` as ``num_generations``,
 ``learner.groups_per_step x group_size`` completions per optimizer step, ``learner.lr`` (constant),
 ``rollout.temperature`` (no top-k / top-p), ``rollout.max_new_tokens``, ``learner.grad_clip``,
-no KL term, one optimizer step per generation batch (TRL's on-policy default).
+no KL term, one optimizer step per generation batch (TRL's on-policy default), and on a GPU
+``learner.mixed_precision`` as TRL's ``bf16`` (bf16 autocast over the float32 weights, as StreamRL's
+learner computes; StreamRL's worker also decodes in ``rollout.dtype``, which TRL's ``generate`` has
+no separate setting for).
 """
 from __future__ import annotations
 
@@ -99,7 +102,7 @@ def train(cfg, out: Path, budget_s: float, t0: float, device: str) -> list[dict]
                       learning_rate=lc.lr, lr_scheduler_type="constant", warmup_steps=0, temperature=rc.temperature,
                       top_p=1.0, top_k=0, beta=0.0, num_iterations=1, max_grad_norm=lc.grad_clip,
                       max_steps=10**6, logging_steps=1, report_to=[], save_strategy="no", seed=cfg.run.seed,
-                      shuffle_dataset=False, use_cpu=device == "cpu", bf16=False, fp16=False,
+                      shuffle_dataset=False, use_cpu=device == "cpu", bf16=device != "cpu" and lc.mixed_precision, fp16=False,
                       dataloader_num_workers=0, disable_tqdm=True)
     points: list[dict] = []
     trainer = GRPOTrainer(model=model, reward_funcs=make_reward_fn(cfg, task, problems, tok), args=args,
