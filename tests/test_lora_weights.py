@@ -154,3 +154,80 @@ def test_plain_adapters_live_in_the_pack_and_a_replaced_storage_is_seen():
     (rebuilt,) = gather([tail])
     assert torch.equal(rebuilt, want()) and bool(rebuilt[6:14].eq(7).all())
     assert gather([torch.tensor([5.0])])[0][-1].item() == 5.0
+
+
+def test_plain_pack_check_reads_no_address_unless_the_pack_lost_a_reference(monkeypatch):
+    """The per-version "still in the pack" check is O(1): after an optimizer step, a forward and
+    a backward no parameter address is read; a parameter re-pointed (``p.data = ...``,
+    ``torch.utils.swap_tensors``) is still seen, also while other views of the pack are alive
+    (they make the check read the addresses)."""
+    mods = [nn.Linear(3, 2, bias=False), nn.Linear(2, 4, bias=False), nn.Linear(4, 3, bias=False)]
+    opt = torch.optim.AdamW([m.weight for m in mods], lr=0.1)
+    gather, tail = PackedGather(mods), torch.tensor([2.0])
+    reads = []
+    data_ptr = torch.Tensor.data_ptr
+    monkeypatch.setattr(torch.Tensor, "data_ptr", lambda t: reads.append(t) or data_ptr(t))
+
+    def want():
+        return torch.cat([m.weight.detach().reshape(-1) for m in mods] + [tail])
+
+    (pack,) = gather([tail])
+    loss = mods[2](mods[1](mods[0](torch.randn(5, 3)))).square().sum()
+    loss.backward()
+    opt.step()
+    del loss
+    reads.clear()
+    (again,) = gather([tail])
+    assert again is pack and torch.equal(again, want()) and not reads
+    held = [mods[0].weight.detach(), mods[2].weight[:1]]  # two views alive elsewhere
+    (again,) = gather([tail])
+    assert again is pack and reads  # an unexpected count: the addresses were compared
+    mods[1].weight.data = torch.full((4, 2), 7.0)  # one reference fewer, two more: still seen
+    (rebuilt,) = gather([tail])
+    assert rebuilt is not pack and torch.equal(rebuilt, want()) and bool(rebuilt[6:14].eq(7).all())
+    del held
+    reads.clear()
+    (again,) = gather([tail])
+    assert again is rebuilt and not reads
+    torch.utils.swap_tensors(mods[2].weight, nn.Parameter(torch.full((3, 4), 5.0)))
+    (swapped,) = gather([tail])
+    assert swapped is not rebuilt and torch.equal(swapped, want()) and bool(swapped[14:26].eq(5).all())
+    tail.fill_(3.0)  # the same tail tensor, written in place: written into the pack again
+    assert gather([tail])[0][-1].item() == 3.0
+
+
+@pytest.mark.timeout(60)
+# the many-pieces path's wrong total: torch.cat resizes its out= (deprecated) before the check sees it
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_packed_tensor_from_one_piece_or_many_and_a_wrong_total_is_refused(redis_url, run_id):
+    """A packed tensor's pieces reach the store as one memmove (one piece: an unsharded learner's
+    pack) or one concatenation (many: FSDP's gathered rows); the subscriber gets the parts, bit for
+    bit, and the bucket's checksum is the store's. Pieces of the wrong total are refused before
+    anything is written or announced, by either path."""
+    from streamrl.weights.layout import checksum_region
+
+    parts = [("m.lora_A.weight", (2, 3)), ("m.lora_B.weight", (4, 2)), ("lora.scaling", (1,))]
+    spec = PackedSpec("lora.adapters.float32", torch.float32, parts)
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", keep=1)
+    sub = WeightSubscriber(coord, plane="shm")
+    try:
+        for v, n_pieces in enumerate([1, 3, 1]):
+            flat = torch.randn(15)
+            pieces = [flat] if n_pieces == 1 else [flat[:6], flat[6:14], flat[14:]]
+            pub.publish(v, [spec], iter([pieces]))
+            m = coord.manifest(v)
+            (b,) = m["buckets"]
+            store = pub.store.files[v].buf
+            assert checksum_region(store[b["offset"]: b["offset"] + b["nbytes"]], "sum64") == b["checksum"]
+            got = dict(sub.fetch(v))
+            assert torch.equal(got["m.lora_A.weight"], flat[:6].view(2, 3))
+            assert torch.equal(got["m.lora_B.weight"], flat[6:14].view(4, 2)) and got["lora.scaling"].item() == flat[14]
+            del got
+        for wrong in ([torch.randn(14)], [torch.randn(16)], [torch.randn(6), torch.randn(10)]):
+            with pytest.raises(ValueError, match="its pieces hold"):
+                pub.publish(3, [spec], iter([wrong]))
+            assert coord.current_version() == 2
+    finally:
+        sub.close()
+        pub.close()

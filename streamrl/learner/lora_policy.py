@@ -122,8 +122,8 @@ class PackedGather:
     itself ([adapters back to back, then the tail]), and each parameter's ``data`` becomes a view
     of it, as a flat-parameter optimizer would; the pieces are then that one buffer, so the
     publisher copies the pack in one op, with no per-adapter work. A parameter whose storage
-    was replaced since (``p.data = ...``, ``model.to(...)``) is seen by its address and the
-    buffer is built again. FSDP2 shards (DTensors, ``Shard(0)`` on one 1-d mesh, the
+    was replaced since (``p.data = ...``, ``model.to(...)``) is seen, in O(1) (:meth:`_in_pack`),
+    and the buffer is built again. FSDP2 shards (DTensors, ``Shard(0)`` on one 1-d mesh, the
     dense parameters' placement) are gathered in one collective instead of one per tensor: each
     rank concatenates its local rows of every adapter (zero-padded to the longest rank's),
     ``all_gather`` brings every rank's block, and the full adapter ``i`` is rank 0's rows of it,
@@ -147,28 +147,50 @@ class PackedGather:
         self._flat: tuple[list[int], torch.Tensor] | None = None  # (addresses, pack [adapters + tail])
         self._flat_numel = 0  # the adapters' elements in it
         self._tail: torch.Tensor | None = None  # the rest of it: the tail's span
+        # The pack's storage (held, so its Python wrapper, and the reference that wrapper holds,
+        # stay the same) and how many references it had right after the build: see _in_pack.
+        self._storage: torch.UntypedStorage | None = None
+        self._refs: int | None = None
+        # the one-tensor tail last written into the pack and its version counter then
+        self._tail_src: torch.Tensor | None = None
+        self._tail_version = -1
 
-    @torch.no_grad()
     def __call__(self, tail: list[torch.Tensor]) -> list[torch.Tensor]:
         """The pack's pieces (1-d, one dtype), ``tail`` (on the adapters' device) last."""
         if self._plain is not None:  # unsharded: the same parameters every version
-            params = self._plain
-            if not params:
-                return tail
-            ntail = sum(t.numel() for t in tail)
-            flat = self._flat[1] if self._flat is not None else None
-            if (flat is None or self._flat[0] != list(map(torch.Tensor.data_ptr, params))
-                    or flat.numel() != self._flat_numel + ntail):
-                flat = self._flatten(params, ntail)
-            if len(tail) == 1:  # the scaling: a copy_ costs a third of a cat's out= checks
-                self._tail.copy_(tail[0])
-            elif tail:
-                torch.cat([t.to(flat.device) for t in tail], out=self._tail)
-            return [flat]
+            return self._plain_pack(tail)
         params = [m.weight for m in self.modules]
         if not params or not isinstance(params[0], DTensor):
             self._plain = params
-            return self(tail)
+            return self._plain_pack(tail)
+        with torch.no_grad():
+            return self._gather(params, tail)
+
+    def _plain_pack(self, tail: list[torch.Tensor]) -> list[torch.Tensor]:
+        """[the pack [adapters + tail]], the parameters' own buffer (built or rebuilt here)."""
+        params = self._plain
+        if not params:
+            return tail
+        ntail = sum(t.numel() for t in tail)
+        if not self._in_pack(params, ntail):
+            self._flatten(params, ntail)
+        flat = self._flat[1]
+        # A tail written before is not written again (the policy's scaling is the same tensor every
+        # version): it is written when it is another tensor, or the same one written in place
+        # since (its version counter moved; re-pointing its ``data`` keeps the counter: pass a new
+        # tensor). In a publish even a one-element copy_ costs as much as the rest of the pack: its
+        # dispatch runs out of the cache.
+        if len(tail) == 1 and (tail[0] is not self._tail_src or tail[0]._version != self._tail_version):
+            with torch.no_grad():
+                self._tail.copy_(tail[0])  # the scaling: a copy_ costs a third of a cat's out= checks
+            self._tail_src, self._tail_version = tail[0], tail[0]._version
+        elif len(tail) > 1:
+            with torch.no_grad():
+                torch.cat([t.to(flat.device) for t in tail], out=self._tail)
+        return [flat]
+
+    def _gather(self, params: list[DTensor], tail: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The FSDP2 shards' pack as pieces: one all_gather (see the class docstring)."""
         tail = [t.to(params[0].device) for t in tail]
         mesh = params[0].device_mesh
         local = [p.to_local().reshape(-1) for p in params]
@@ -188,6 +210,7 @@ class PackedGather:
                 starts[r] += numels[r][i]
         return pieces + tail
 
+    @torch.no_grad()
     def _flatten(self, params: list[torch.Tensor], ntail: int) -> torch.Tensor:
         """Move ``params`` (one device and dtype) into a new flat buffer [their numels + ``ntail``],
         each parameter's ``data`` a view of its span (values, requires_grad, gradients and the
@@ -203,7 +226,34 @@ class PackedGather:
             p.data = flat[start: start + p.numel()].view(p.shape)
             start += p.numel()
         self._flat, self._flat_numel, self._tail = ([p.data_ptr() for p in params], flat), n, flat[n:]
+        self._storage = flat.untyped_storage()
+        self._refs = _storage_refs(self._storage)
+        self._tail_src = None  # the tail's span is new
         return flat
+
+    def _in_pack(self, params: list[torch.Tensor], ntail: int) -> bool:
+        """Whether every parameter still lives where :meth:`_flatten` put it (and the tail fits).
+
+        O(1) in the common case. A parameter's storage changes only by re-pointing its tensor
+        (``p.data = ...``, ``p.set_(...)``, ``swap_tensors``: what ``model.to(...)`` does); the
+        optimizer, the gradient clip, checkpoint saves (clones) and loads (in place) write through
+        the views. Each view holds one reference to the pack's storage, so re-pointing a parameter
+        drops one: when the storage has exactly the references it had after the build (the
+        parameters', the buffer's, the tail's, the held wrapper's), no parameter left it, and
+        reading every parameter's address (a few hundred tensors touched per version, out of the
+        cache when something else ran since: a tenth of an adapter version's publish) is skipped.
+        Any other count (a parameter re-pointed, or views of the parameters alive elsewhere: an
+        autograd graph, a caller's ``p.detach()``) compares the addresses. What the count cannot
+        see: parameters re-pointed while as many views of the old pack stay alive elsewhere
+        (``old = p.data; p.data = new``, ``old`` kept past the publish), or re-pointed into the
+        pack's own storage at another offset (``p.set_(...)``); nothing in the learner does either.
+        """
+        if self._flat is None or self._flat[1].numel() != self._flat_numel + ntail:
+            return False
+        refs = _storage_refs(self._storage)
+        if refs is not None and refs == self._refs:
+            return True
+        return self._flat[0] == list(map(torch.Tensor.data_ptr, params))
 
     @staticmethod
     def _learn_numels(params: list[DTensor], local: list[torch.Tensor]) -> list[list[int]]:
@@ -218,3 +268,12 @@ class PackedGather:
         sizes = [torch.empty_like(mine) for _ in range(mesh.size())]
         dist.all_gather(sizes, mine, group=mesh.get_group())
         return torch.stack(sizes).tolist()
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # a torch internal: absent, every check compares addresses
+
+
+def _storage_refs(storage: torch.UntypedStorage) -> int | None:
+    """How many references ``storage`` (its StorageImpl) has: one per tensor viewing it, one per
+    Python wrapper; None where this torch has no such counter."""
+    return _USE_COUNT(storage._cdata) if _USE_COUNT is not None else None
