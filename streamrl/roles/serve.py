@@ -56,6 +56,9 @@ def run_role_server(role: str, args: argparse.Namespace, device: str | None, mak
     limit_threads()
     coord = Coordinator(args.redis_url, args.run_id)
     cfg = config_from_dict(coord.wait_config())
+    # Set to True by SIGTERM/SIGINT or by the run's stop, and never written otherwise: a tick that
+    # wrote back `stopping or <run stopped>` could overwrite a signal handled while it waited on
+    # Redis with its stale False, and the server would not stop.
     stopping = False
 
     def on_signal(signum, frame):
@@ -79,7 +82,8 @@ def run_role_server(role: str, args: argparse.Namespace, device: str | None, mak
         if now - last_tick >= METRICS_EVERY_S:
             last_tick = now
             coord.put_metrics(role, {**server.metrics(), **extra})
-            stopping = stopping or coord.stop_reason() is not None
+            if coord.stop_reason() is not None:
+                stopping = True
 
     try:
         server.serve(lambda: stopping, tick)
