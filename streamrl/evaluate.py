@@ -20,7 +20,8 @@ Figures (keys as written to metrics.jsonl):
   of k samples at ``eval.temperature``) and ``eval/mean@k`` (share of correct samples, an
   estimate of pass@1 at that temperature).
 
-Routing is deterministic in eval mode.
+Routing is deterministic in eval mode. Every caller (this CLI, the evaluator process, the race's
+scorer) decodes through the :class:`EvalDecoder` that :func:`eval_decoder` builds for ``eval.engine``.
 
 Examples:
     streamrl-eval --config configs/smol-reasoning.yaml --json                       # before training
@@ -34,6 +35,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Iterable, Protocol
 
 import torch
 
@@ -58,18 +60,110 @@ def eval_set(cfg: Config, task) -> list[Problem]:
     return eval_problems(task, cfg.run.seed, cfg.eval.size)
 
 
-def eval_decoder(cfg: Config, model, tok, max_new_tokens: int | None = None):
-    """What evaluation decodes with under ``eval.engine``, for ``model`` already on ``eval.device``.
+class EvalDecoder(Protocol):
+    """What evaluation decodes with (``eval.engine``): batches of prompt ids in, response ids out.
 
-    ``hf``: ``model`` itself (transformers ``generate`` in ``model.dtype``). ``hf_fast``: a
-    :class:`~streamrl.engines.hf_fast.FastHFEngine` over ``model``, cast in place to the rollout's
-    dtype (``rollout.dtype``, the dtype the policy is sampled in), with ``eval.batch_size`` slots
-    refilled as answers end and room for the longest prompt the rollout admits plus
-    ``max_new_tokens`` (default: the eval's). Greedy answers of the two engines agree where the
-    logits have no near-ties; both sides of a comparison should be scored by the same one.
+    Built by :func:`eval_decoder`; :func:`evaluate` only generates with it, and whoever keeps it
+    across versions (the evaluator process, the race's scorer) copies new weights in.
+    """
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float | None = None,
+                 samples: int = 1) -> list[list[list[int]]]:
+        """Response token ids to ``prompts`` (token ids, any lengths): ``[len(prompts)][samples]`` lists.
+
+        ``temperature=None`` decodes greedily (one response each); otherwise ``samples`` responses
+        are drawn from the plain tempered softmax (no top-k / top-p). A response ends with its EOS
+        when it stopped, and holds at most ``max_new_tokens`` tokens.
+        """
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a version (full weights or adapters, HF names) into the decoder's parameters in place."""
+
+    def close(self) -> None:
+        """Release the model (and an engine's KV cache and captured graphs)."""
+
+
+class GenerateDecoder:
+    """``eval.engine: hf``: transformers ``generate`` on ``model``, in ``model.dtype``, all prompts in one batch.
+
+    The folder's ``generation_config.json`` is switched off (as in the rollout's
+    :class:`~streamrl.engines.hf.HFEngine`): ``generate()`` would apply its repetition penalty,
+    top-k, minimum lengths etc. even to greedy decoding, which the fast engine never does.
+    """
+
+    def __init__(self, model, tok):
+        from streamrl.engines.adapter_merge import EngineWeights  # noqa: PLC0415 (a light module import)
+        from streamrl.engines.hf import neutral_generation_config  # noqa: PLC0415
+
+        self.model = model.eval()
+        self.eos = tok.eos_token_id
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos
+        self.model.generation_config = neutral_generation_config(self.eos, self.pad)
+        self._weights = EngineWeights(dict(self.model.named_parameters()))
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float | None = None,
+                 samples: int = 1) -> list[list[list[int]]]:
+        width = max(map(len, prompts))
+        inp = torch.full((len(prompts), width), self.pad, dtype=torch.long)  # [B, width]
+        attn = torch.zeros_like(inp)
+        for i, row in enumerate(prompts):  # left padding keeps every prompt's last token aligned
+            inp[i, width - len(row):] = torch.tensor(row)
+            attn[i, width - len(row):] = 1
+        dev = next(self.model.parameters()).device
+        k = 1 if temperature is None else samples
+        kw = (dict(do_sample=False) if temperature is None else
+              dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0))
+        out = self.model.generate(input_ids=inp.to(dev), attention_mask=attn.to(dev), max_new_tokens=max_new_tokens,
+                                  num_return_sequences=k, pad_token_id=self.pad, eos_token_id=self.eos, **kw)
+        rows = [self._until_eos(r) for r in out[:, width:].cpu().tolist()]  # [B * k] rows, padded after EOS
+        return [rows[i * k:(i + 1) * k] for i in range(len(prompts))]
+
+    def _until_eos(self, ids: list[int]) -> list[int]:
+        """A generated row without the padding after its end: up to and including the first EOS."""
+        return ids[: ids.index(self.eos) + 1] if self.eos is not None and self.eos in ids else ids
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._weights.load(named_tensors)
+
+    def close(self) -> None:
+        self.model = None
+        self._weights = None
+
+
+class FastDecoder:
+    """``eval.engine: hf_fast``: the rollout's :class:`~streamrl.engines.hf_fast.FastHFEngine`,
+    its slots refilled as answers end; a prompt's ``samples`` copies are rows of one call."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float | None = None,
+                 samples: int = 1) -> list[list[list[int]]]:
+        k = 1 if temperature is None else samples
+        rows = [p for p in prompts for _ in range(k)]
+        out = self.engine.generate(rows, max_new_tokens, temperature=0.0 if temperature is None else temperature)
+        return [out.tokens[i * k:(i + 1) * k] for i in range(len(prompts))]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.load_weights(named_tensors)  # cast to the engine's dtype, into the storage its graphs read
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def eval_decoder(cfg: Config, model, tok, max_new_tokens: int | None = None) -> EvalDecoder:
+    """The decoder of ``eval.engine`` over ``model`` (already on ``eval.device``), which it takes over.
+
+    ``hf``: a :class:`GenerateDecoder` (transformers ``generate`` in ``model.dtype``). ``hf_fast``:
+    a :class:`FastDecoder` over a :class:`~streamrl.engines.hf_fast.FastHFEngine`, ``model`` cast in
+    place to the rollout's dtype (``rollout.dtype``, the dtype the policy is sampled in), with
+    ``eval.batch_size`` slots refilled as answers end and room for the longest prompt the rollout
+    admits plus ``max_new_tokens`` (default: the eval's). Greedy answers of the two engines agree
+    where the logits have no near-ties; both sides of a comparison should be scored by the same one.
     """
     if cfg.eval.engine == "hf":
-        return model
+        return GenerateDecoder(model, tok)
     from streamrl.engines.hf_fast import FastHFEngine  # noqa: PLC0415 (only the fast path needs the engine)
     from streamrl.engines.hf_fast_config import FastHFConfig  # noqa: PLC0415
     from streamrl.engines.precision import DTYPES, engine_dtype_name  # noqa: PLC0415
@@ -78,60 +172,8 @@ def eval_decoder(cfg: Config, model, tok, max_new_tokens: int | None = None):
     new = max_new_tokens or cfg.eval.max_new_tokens or rc.max_new_tokens
     model.to(DTYPES[engine_dtype_name(cfg)])
     device = str(next(model.parameters()).device)
-    return FastHFEngine(model, tok, FastHFConfig(device=device, batch_size=cfg.eval.batch_size,
-                                                 max_seq_len=rc.max_model_len + max(0, new - rc.max_new_tokens)))
-
-
-def _engine_ids(engine, prompts: list[list[int]], max_new_tokens: int, temperature: float | None,
-                samples: int) -> list[list[list[int]]]:
-    """:func:`generate_ids` through a :class:`~streamrl.engines.hf_fast.FastHFEngine` (``samples``
-    copies of each prompt at ``temperature``; greedy when it is None)."""
-    k = 1 if temperature is None else samples
-    rows = [p for p in prompts for _ in range(k)]
-    out = engine.generate(rows, max_new_tokens, temperature=0.0 if temperature is None else temperature).tokens
-    return [out[i * k:(i + 1) * k] for i in range(len(prompts))]
-
-
-@torch.no_grad()
-def generate_ids(model, tok, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None = None,
-                 samples: int = 1) -> list[list[list[int]]]:
-    """Response token ids to ``prompts`` (token ids, any lengths): ``[len(prompts)][samples]`` lists.
-
-    ``model``: a transformers model, or the engine :func:`eval_decoder` builds. ``temperature=None``
-    decodes greedily (one response each); otherwise ``samples`` responses are drawn from the plain
-    tempered softmax (no top-k / top-p from the model's generation config).
-    """
-    if not isinstance(model, torch.nn.Module):
-        return _engine_ids(model, prompts, max_new_tokens, temperature, samples)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    width = max(map(len, prompts))
-    inp = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attn = torch.zeros_like(inp)
-    for i, row in enumerate(prompts):  # left padding keeps every prompt's last token aligned
-        inp[i, width - len(row):] = torch.tensor(row)
-        attn[i, width - len(row):] = 1
-    dev = next(model.parameters()).device
-    kw = (dict(do_sample=False, num_return_sequences=1) if temperature is None else
-          dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, num_return_sequences=samples))
-    out = model.generate(input_ids=inp.to(dev), attention_mask=attn.to(dev), max_new_tokens=max_new_tokens,
-                         pad_token_id=pad, eos_token_id=tok.eos_token_id, **kw)
-    rows = [_strip_padding(r, pad, tok.eos_token_id) for r in out[:, width:].cpu().tolist()]
-    k = kw["num_return_sequences"]
-    return [rows[i * k:(i + 1) * k] for i in range(len(prompts))]
-
-
-def _strip_padding(ids: list[int], pad: int, eos: int | None) -> list[int]:
-    """A generated row without the padding after its end: up to and including the first EOS."""
-    if eos is not None and eos in ids:
-        return ids[: ids.index(eos) + 1]
-    return ids
-
-
-def decode(model, tok, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None = None,
-           samples: int = 1) -> list[list[str]]:
-    """:func:`generate_ids` decoded: ``[len(prompts)][samples]`` response texts."""
-    ids = generate_ids(model, tok, prompts, max_new_tokens=max_new_tokens, temperature=temperature, samples=samples)
-    return [response_texts(tok, group) for group in ids]
+    return FastDecoder(FastHFEngine(model, tok, FastHFConfig(
+        device=device, batch_size=cfg.eval.batch_size, max_seq_len=rc.max_model_len + max(0, new - rc.max_new_tokens))))
 
 
 def _scored(tok, reward: CombinedReward, problems: list[Problem], ids: list[list[int]], max_new_tokens: int,
@@ -141,41 +183,36 @@ def _scored(tok, reward: CombinedReward, problems: list[Problem], ids: list[list
     return apply_truncation_rule(rewards, ids, stop_ids(tok), max_new_tokens, truncated_scores_zero)
 
 
-def evaluate(model, tok, problems: list[Problem], reward: CombinedReward, *, chat_template: bool,
+def evaluate(decoder: EvalDecoder, tok, problems: list[Problem], reward: CombinedReward, *, chat_template: bool,
              max_new_tokens: int, batch_size: int = 32, samples: int = 0, temperature: float = 1.0,
              seed: int = 0, truncated_scores_zero: bool = False) -> dict[str, float]:
-    """Greedy accuracy (and pass@k with ``samples = k > 0``) of ``model`` on ``problems``.
+    """Greedy accuracy (and pass@k with ``samples = k > 0``) of ``decoder``'s model on ``problems``.
 
-    ``model``: a transformers model, or what :func:`eval_decoder` returns for it.
+    ``decoder``: what :func:`eval_decoder` returns (the model in eval mode).
     ``truncated_scores_zero``: a response cut at ``max_new_tokens`` scores 0 (the task's rule,
     :mod:`streamrl.tasks.truncation`). Returns ``{"eval/accuracy", "eval/reward_mean",
     "eval/truncated", "eval/n"}`` plus per-set accuracies and ``"eval/pass@k"`` /
     ``"eval/mean@k"`` when sampling (see the module doc).
     """
-    module = model if isinstance(model, torch.nn.Module) else model.model  # an eval_decoder engine holds its model
-    was_training = module.training
-    module.eval()
     encode = PromptEncoder(tok, chat_template)  # the worker's encoding: eval prompts match training's
     greedy, lengths, cut, solved, sample_hits = [], [], 0, 0, 0
     gen = torch.Generator().manual_seed(seed)
     for lo in range(0, len(problems), batch_size):
         chunk = problems[lo: lo + batch_size]
         ids = [encode.problem(p) for p in chunk]
-        first = [g[0] for g in generate_ids(model, tok, ids, max_new_tokens=max_new_tokens)]
+        first = [g[0] for g in decoder.generate(ids, max_new_tokens)]
         rewards, flags = _scored(tok, reward, chunk, first, max_new_tokens, truncated_scores_zero)
         greedy += rewards
         lengths += [len(r) for r in first]
         cut += sum(flags)
         if samples > 0:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # reproducible samples
-            drawn = generate_ids(model, tok, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 samples=samples)
+            drawn = decoder.generate(ids, max_new_tokens, temperature=temperature, samples=samples)
             for p, group in zip(chunk, drawn):
                 scores = _scored(tok, reward, [p] * len(group), group, max_new_tokens, truncated_scores_zero)[0]
                 hits = sum(r >= CORRECT for r in scores)
                 solved += hits > 0
                 sample_hits += hits
-    module.train(was_training)
     n = max(len(problems), 1)
     out = {"eval/accuracy": sum(r >= CORRECT for r in greedy) / n, "eval/reward_mean": sum(greedy) / n,
            "eval/truncated": cut / n, "eval/n": len(problems), **length_stats(lengths),
@@ -216,13 +253,13 @@ def set_accuracies(problems: list[Problem], rewards: list[float]) -> dict[str, f
     return out
 
 
-def evaluate_config(model, tok, cfg: Config, task=None, problems: list[Problem] | None = None,
+def evaluate_config(decoder: EvalDecoder, tok, cfg: Config, task=None, problems: list[Problem] | None = None,
                     max_new_tokens: int | None = None, batch_size: int | None = None) -> dict[str, float]:
     """:func:`evaluate` with everything taken from ``cfg`` (``eval.*``, ``rollout.chat_template``)."""
     task = task if task is not None else build_task(cfg.task)
     problems = problems if problems is not None else eval_set(cfg, task)
     e = cfg.eval
-    return evaluate(model, tok, problems, build_reward(e.reward, task), chat_template=cfg.rollout.chat_template,
+    return evaluate(decoder, tok, problems, build_reward(e.reward, task), chat_template=cfg.rollout.chat_template,
                     max_new_tokens=max_new_tokens or e.max_new_tokens or cfg.rollout.max_new_tokens,
                     batch_size=batch_size or e.batch_size, samples=e.samples, temperature=e.temperature,
                     seed=cfg.run.seed, truncated_scores_zero=zeroes_truncated(task))

@@ -32,8 +32,6 @@ import torch
 
 from streamrl.config import config_from_dict
 from streamrl.coord.coordinator import Coordinator
-from streamrl.engines.hf import HFEngine
-from streamrl.engines.hf_fast import FastHFEngine
 from streamrl.evaluate import EVAL_FILE, eval_decoder, eval_set, evaluate_config
 from streamrl.metrics import MultiSink, RateLimitedRedisSink, tensorboard_sink
 from streamrl.models.factory import load_model_and_tokenizer
@@ -71,10 +69,8 @@ class Evaluator:
                              f"not {cfg.weights.target!r}")
         device = args.device or cfg.eval.device
         model, self.tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
-        # the engine copies published weights into the model (the fast one casting them to its dtype);
-        # the decoder is what evaluate() generates with: the model itself, or that fast engine
+        # evaluate() generates with the decoder, and each published version is copied into it in place
         self.decoder = eval_decoder(cfg, model.to(device), self.tok)
-        self.engine = self.decoder if isinstance(self.decoder, FastHFEngine) else HFEngine(model, self.tok, device)
         self.task = build_task(cfg.task)
         self.problems = eval_set(cfg, self.task)
         self.subscriber = make_subscriber(self.coord, cfg, device=device)
@@ -103,7 +99,7 @@ class Evaluator:
             return None
         if tensors is None:  # garbage-collected or superseded while we looked: take the next one
             return None
-        self.engine.load_weights(tensors)
+        self.decoder.load_weights(tensors)
         del tensors  # free the views (and the store's read lease) before the long evaluation
         t0 = time.perf_counter()
         self.busy = True

@@ -33,9 +33,9 @@ def stderr(p: float, n: int) -> float:
 class FolderScorer:
     """Greedy held-out evaluation of HF folders (checkpoints of one model) under ``cfg``'s task and ``eval.*``.
 
-    The held-out set is built once. With ``eval.engine: hf_fast`` one engine
-    (:func:`streamrl.evaluate.eval_decoder`) serves every folder: each folder's weights are copied
-    into it, so its compiled, graph-captured decode step is built once, not once a folder.
+    The held-out set is built once, and so is the decoder (:func:`streamrl.evaluate.eval_decoder`):
+    each later folder's weights are copied into it, so with ``eval.engine: hf_fast`` the engine's
+    compiled, graph-captured decode step is built once, not once a folder.
     ``scorer(folder)`` returns the curve fields: ``accuracy``, ``stderr``, ``truncated``,
     ``response_tokens_median``, ``n`` and ``sets`` (``{set: {"accuracy", "stderr", "n"}}`` per
     held-out set of a task mix).
@@ -50,19 +50,16 @@ class FolderScorer:
     def __call__(self, folder: str | Path) -> dict:
         model, tok = load_model_and_tokenizer(dataclasses.replace(self.cfg.model, path=str(folder)),
                                               seed=self.cfg.run.seed)
-        if self.decoder is None or isinstance(self.decoder, torch.nn.Module):
-            self.close()
+        if self.decoder is None:
             self.decoder, self.tok = eval_decoder(self.cfg, model.to(self.device), tok), tok
-        else:  # the engine casts as it copies (its own dtype), into the storage its graphs read
+        else:  # checkpoints of one model: same names and shapes, cast to the decoder's dtype as copied
             self.decoder.load_weights(model.named_parameters())
         del model
-        with torch.no_grad():
-            row = evaluate_config(self.decoder, self.tok, self.cfg, self.task, self.problems)
-        return curve_fields(row)
+        return curve_fields(evaluate_config(self.decoder, self.tok, self.cfg, self.task, self.problems))
 
     def close(self) -> None:
-        """Free the model or engine (its KV cache and captured graphs) on the device."""
-        if self.decoder is not None and not isinstance(self.decoder, torch.nn.Module):
+        """Free the decoder's model (and a fast engine's KV cache and captured graphs) on the device."""
+        if self.decoder is not None:
             self.decoder.close()
         self.decoder = None
         if self.device.startswith("cuda"):
