@@ -133,6 +133,41 @@ def test_publish_fetch_bit_exact_vllm_names(redis_url, run_id, plane):
 
 
 
+@pytest.mark.timeout(60)
+def test_background_publish_announces_in_order_and_raises_a_failed_announcement(redis_url, run_id):
+    """publish(background=True) returns before the announcement; versions still arrive in order and
+    bit-exact, and an announcement that failed raises from the next publish (and from close)."""
+    coord = Coordinator(redis_url, run_id)
+    pub = WeightPublisher(coord, run_id, plane="shm", bucket_bytes=8192)
+    sub = WeightSubscriber(coord, plane="shm")
+    try:
+        first = pub.publish(0, SPECS, iter(make_tensors(1)), background=True)
+        assert "weights/announce_s" not in first  # nothing announced before it
+        tensors = make_tensors(2)
+        assert pub.publish(1, SPECS, iter(tensors), background=True)["weights/announce_s"] > 0  # v0's
+        pub.wait_announced()
+        assert coord.manifest(0)["state"] == "complete" and sub.newer_version() == 1
+        check_equal(sub.fetch(1), tensors)
+
+        real = coord.publish_version
+
+        def redis_went_away(*args, **kw):
+            coord.publish_version = real
+            raise ConnectionError("Redis went away")
+
+        coord.publish_version = redis_went_away
+        pub.publish(2, SPECS, iter(make_tensors(3)), background=True)  # its announcement fails
+        with pytest.raises(ConnectionError, match="went away"):
+            pub.publish(3, SPECS, iter(make_tensors(4)), background=True)
+        assert coord.manifest(2)["state"] == "writing" and sub.newer_version() == 1  # v2 never became current
+        pub.publish(4, SPECS, iter(make_tensors(5)), background=True)  # announces again
+        pub.wait_announced()
+        assert sub.newer_version() == 4
+    finally:
+        sub.close()
+        pub.close()
+
+
 def _many_small(seed: int) -> tuple[list, list[torch.Tensor]]:
     """Specs and tensors of a LoRA-like version: many small tensors of mixed dtypes and sizes
     (some not a multiple of 8 bytes), one non-contiguous, one above the packing size."""

@@ -349,6 +349,28 @@ def test_round_trip_bit_exact_in_another_process(ipc):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(60)
+def test_a_background_publish_holds_the_weights_of_its_call(ipc):
+    """The learner's publish: the copies are only queued (no host wait) and the learner updates its
+    weights in place at once, behind a long kernel so the copies are still pending; the version
+    still holds the weights of the call, bit-exact in the other process."""
+    pub, coord, child = ipc
+    for v in range(3):
+        sources = on_gpu(make_tensors(100 + v))
+        big = torch.randn(4096, 4096, device="cuda")
+        torch.cuda.synchronize()
+        for _ in range(8):  # ~10 ms of work queued ahead of the copies
+            big = big @ big / 64
+        timings = pub.publish(v, SPECS, iter(sources), background=True)
+        assert timings["weights/gpu_wait_s"] == 0.0
+        for t in sources:
+            t.add_(1)  # the next optimizer step, queued after the copies
+        pub.wait_announced()
+        assert child.ask("load", v=v)["digests"] == expected(100 + v)
+        assert coord.acks()[1] == v
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
 def test_a_version_is_never_torn_while_the_worker_holds_it(ipc):
     """The worker holds v0's views (its lease) while v1, v2 and v3 are published: they all go
     to the other buffer, and v0's bytes stay exactly what the worker verified."""

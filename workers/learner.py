@@ -218,10 +218,12 @@ def _resume(args, ckpt, run, intake, coord, log) -> int:
 
 
 def publish(trainer, publisher, version: int) -> dict[str, float]:
-    """Gather full weights (collective) and, on rank 0, publish them as ``version``."""
+    """Gather full weights (collective) and, on rank 0, publish them as ``version``. The
+    announcement runs in the background (on the ipc plane the copies too, queued before the next
+    step's updates on the GPU): the learner goes on with its next step meanwhile."""
     tensors = trainer.full_tensors()
     if publisher is not None:
-        return publisher.publish(version, trainer.param_specs, tensors)
+        return publisher.publish(version, trainer.param_specs, tensors, background=True)
     for _ in tensors:  # join the gathers; only rank 0 keeps the tensors
         pass
     return {}

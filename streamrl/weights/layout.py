@@ -78,6 +78,11 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def sum64_digest(total: int) -> str:
+    """The text of a sum64 checksum: ``total`` (a Python int, any size) modulo 2**64."""
+    return str(total & 0xFFFFFFFFFFFFFFFF)
+
+
 class Checksum:
     """Incremental checksum over a sequence of byte chunks (uint8 tensors, any device).
 
@@ -104,9 +109,17 @@ class Checksum:
         else:
             self._crc = zlib.crc32(memoryview(chunk.numpy()), self._crc)
 
+    def device_total(self) -> torch.Tensor:
+        """sum64's running total over chunks of one GPU, as an int64 [] tensor still on it: read it
+        later (after the GPU is done) without waiting now. Only for sum64 over GPU chunks."""
+        if self.algo != "sum64" or set(self._sums) - {"cuda"}:
+            raise ValueError(f"Checksum.device_total: needs sum64 over GPU chunks, not {self.algo} over "
+                             f"{sorted(self._sums)}")
+        return self._sums.get("cuda", torch.zeros((), dtype=torch.int64, device="cuda"))
+
     def digest(self) -> str:
         if self.algo == "sum64":
-            return str(sum(int(s) for s in self._sums.values()) & 0xFFFFFFFFFFFFFFFF)
+            return sum64_digest(sum(int(s) for s in self._sums.values()))
         return f"{self._crc:08x}"
 
 
@@ -127,7 +140,7 @@ def checksum_regions(bufs: list[torch.Tensor], algo: str) -> list[str]:
     """
     if algo == "sum64" and bufs and all(b.is_cuda for b in bufs):
         sums = torch.stack([b.view(torch.int64).sum() for b in bufs]).tolist()
-        return [str(s & 0xFFFFFFFFFFFFFFFF) for s in sums]
+        return [sum64_digest(s) for s in sums]
     return [checksum_region(b if algo == "sum64" else b.cpu(), algo) for b in bufs]
 
 

@@ -39,7 +39,8 @@ import ctypes
 import math
 import socket
 import time
-from typing import Any, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -48,7 +49,7 @@ from streamrl.weights.adapter import adapt_specs, adapt_tensor
 from streamrl.weights.collective import CollectiveSender
 from streamrl.weights.ipc import DeviceStore, copy_bucket
 from streamrl.transport.codec import DTYPES
-from streamrl.weights.layout import CHUNK, Checksum, Layout, write_tensor
+from streamrl.weights.layout import CHUNK, Checksum, Layout, sum64_digest, write_tensor
 from streamrl.weights.manifest import ManifestJSON
 from streamrl.weights.store import ShmStore
 from streamrl.weights.zmq_plane import BucketServer
@@ -92,6 +93,10 @@ class WeightPublisher:
         self._buckets: dict[int, list[dict]] = {}
         self._plan: tuple[list, Layout] | None = None  # (specs, their layout) of the last version
         self._json = ManifestJSON()  # encodes and hashes the plan's tensor table once (stored once, by digest)
+        # publish(background=True): one thread announces versions, in order, one at a time
+        self._announcer: ThreadPoolExecutor | None = None
+        self._announcing: Future | None = None  # the last version's announcement; its result: its seconds
+        self._digests_host: torch.Tensor | None = None  # ipc: pinned int64 [buckets], the bucket sums read back
         if plane in COLLECTIVE_PLANES:
             self.collective = CollectiveSender(coord, plane, collective_world, bind_host, advertise_host, device)
         elif plane == "ipc":  # the store is two device buffers, no server: subscribers map them
@@ -109,19 +114,33 @@ class WeightPublisher:
         return vf.memoryview(b["offset"], b["nbytes"])
 
     def publish(self, version: int, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                tensors: Iterable[torch.Tensor | tuple[str, torch.Tensor]]) -> dict[str, float]:
+                tensors: Iterable[torch.Tensor | tuple[str, torch.Tensor]], background: bool = False
+                ) -> dict[str, float]:
         """Write ``tensors`` (full learner tensors in ``specs`` order, produced lazily; items may
         be tensors or ``(name, tensor)``) and announce ``version``. The item of a
         :class:`~streamrl.weights.layout.PackedSpec` may also be a list of 1-d tensors (its
         pieces), concatenated straight into the store: the pack is never a tensor of its own.
 
+        ``background``: return once the version is written, or on the ipc plane once its copies
+        are queued on the tensors' CUDA stream (work queued after them, such as the next optimizer
+        step, runs after them: the caller may update its tensors in place at once); a thread then
+        waits for them, reads the checksums and announces it. Versions are announced in order: a
+        publish first waits for the previous announcement, and raises its error if it failed, as
+        does :meth:`wait_announced`.
+
         Returns ``{"weights/gather_s", "weights/write_s", "weights/publish_s", "weights/bytes",
-        "weights/buckets", "weights/peak_tensor_bytes", "weights/gpu_wait_s"}``; ``gpu_wait_s``
-        (part of ``write_s``) is the wait, before the first GPU tensor is copied, for the work
-        already queued on its stream (the tail of the learner's step), not the copy itself.
+        "weights/buckets", "weights/peak_tensor_bytes", "weights/gpu_wait_s"}``; ``publish_s`` is
+        the caller's time in this call; ``gpu_wait_s`` (part of ``write_s``) is the wait, before the
+        first GPU tensor is copied, for the work already queued on its stream (the tail of the
+        learner's step), not the copy itself (0 on the ipc plane in the background: nothing
+        waits). In the background, ``"weights/announce_s"`` is the previous version's announcement
+        (queued to announced), when there was one.
         """
         t0 = time.perf_counter()
+        announced_s = self.wait_announced()
         self.coord.wake_for_publish()  # Redis wakes while the version is written
+        # ipc in the background: the copies queue behind the step on its stream; no host wait
+        queued = background and isinstance(self.store, DeviceStore)
         layout = self._layout(specs)
         manifest, vf = self._begin(version, layout)
         writer = _BucketWriter(self, version, layout, vf)
@@ -138,7 +157,7 @@ class WeightPublisher:
             packed = isinstance(t, list)  # a PackedSpec's pieces
             lead = (t[0] if t else None) if packed else t
             peak = max(peak, math.prod(shape) * dtype.itemsize if packed else t.nbytes)  # put_packed checks it
-            if lead is not None and lead.is_cuda and not waited:
+            if lead is not None and lead.is_cuda and not waited and not queued:
                 torch.cuda.current_stream(lead.device).synchronize()
                 gpu_wait_s, waited = time.perf_counter() - tw, True
             if packed:
@@ -148,17 +167,38 @@ class WeightPublisher:
                     writer.put(ename, piece)
             del t, item, lead
             write_s += time.perf_counter() - tw
-        writer.finish()
-        manifest["state"] = "complete"
-        manifest["buckets"] = layout.buckets
-        encoded, table = self._json.encode(manifest)
-        # the store's GC (file renames) runs while Redis runs the announcement
-        self.coord.publish_version(version, manifest, keep=self.keep, encoded=encoded, table=table,
-                                   meanwhile=self.collect)
-        return {"weights/gather_s": gather_s, "weights/write_s": write_s,
-                "weights/publish_s": time.perf_counter() - t0, "weights/bytes": float(layout.total_bytes),
-                "weights/buckets": float(len(layout.buckets)), "weights/peak_tensor_bytes": float(peak),
-                "weights/gpu_wait_s": gpu_wait_s}
+        read_digests = writer.finish(queued)
+
+        def announce() -> float:
+            t = time.perf_counter()
+            read_digests()  # ipc in the background: waits for the version's copies here
+            manifest["state"] = "complete"
+            manifest["buckets"] = layout.buckets
+            encoded, table = self._json.encode(manifest)
+            # the store's GC (file renames) runs while Redis runs the announcement
+            self.coord.publish_version(version, manifest, keep=self.keep, encoded=encoded, table=table,
+                                       meanwhile=self.collect)
+            return time.perf_counter() - t
+
+        out = {"weights/gather_s": gather_s, "weights/write_s": write_s, "weights/bytes": float(layout.total_bytes),
+               "weights/buckets": float(len(layout.buckets)), "weights/peak_tensor_bytes": float(peak),
+               "weights/gpu_wait_s": gpu_wait_s}
+        if background:
+            if self._announcer is None:
+                self._announcer = ThreadPoolExecutor(1, thread_name_prefix="weights-announce")
+            self._announcing = self._announcer.submit(announce)
+            if announced_s is not None:
+                out["weights/announce_s"] = announced_s
+        else:
+            announce()
+        out["weights/publish_s"] = time.perf_counter() - t0
+        return out
+
+    def wait_announced(self) -> float | None:
+        """Wait for the last background announcement; its seconds (None when there was none).
+        Raises what it raised (the version was not announced; the next publish supersedes it)."""
+        pending, self._announcing = self._announcing, None
+        return pending.result() if pending is not None else None
 
     def _layout(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Layout:
         """The layout of a version of ``specs``. A run publishes the same specs every version, so
@@ -260,6 +300,14 @@ class WeightPublisher:
                 "weights/retained_versions": float(len(self.store.retained) if self.store else 0)}
 
     def close(self) -> None:
+        try:
+            self.wait_announced()  # the last version is announced before the store goes
+        finally:
+            if self._announcer is not None:
+                self._announcer.shutdown()
+            self._close()
+
+    def _close(self) -> None:
         self._finish_dma()  # a publish that raised may have left copies into the store in flight
         if self.server is not None:
             self.server.close()
@@ -394,18 +442,40 @@ class _BucketWriter:
         self.ck = Checksum(pub.checksum)
         self.bucket_i += 1
 
-    def finish(self) -> None:
-        """Check every engine tensor came; on the ipc plane wait for the copies and set the
-        buckets' checksums (buckets are servable from here)."""
+    def finish(self, queued: bool = False) -> Callable[[], None]:
+        """Check every engine tensor came. Returns what sets the ipc plane's bucket checksums
+        (buckets are servable from then): it waits for the copies. ``queued``: the bucket sums are
+        copied to the host behind the copies now, so it waits for those copies alone, not for work
+        queued on the stream after this call."""
         if self.entry_i != len(self.layout.tensors):
             raise ValueError(f"publish(v{self.version}) got {self.entry_i} of {len(self.layout.tensors)} "
                              f"engine tensors")
-        if self.unread:
-            self.pub._finish_dma()
-            for b, ck in self.unread:
-                b["checksum"] = ck.digest()
-            self.pub._ready[self.version] = self.bucket_i
-            self.unread = []
+        unread, self.unread = self.unread, []
+        if not unread:
+            return lambda: None
+        pub, ready = self.pub, self.bucket_i
+        if not queued:
+            def read() -> None:
+                pub._finish_dma()
+                for b, ck in unread:
+                    b["checksum"] = ck.digest()
+                pub._ready[self.version] = ready
+            return read
+        sums = torch.stack([ck.device_total() for _, ck in unread])  # int64 [buckets] on the GPU
+        if pub._digests_host is None or pub._digests_host.numel() < len(unread):
+            pub._digests_host = torch.empty(len(unread), dtype=torch.int64, pin_memory=True)
+        host = pub._digests_host[: len(unread)]
+        host.copy_(sums, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(sums.device))
+        pub._dma_streams.clear()  # waited for through ``done``
+
+        def read_queued() -> None:
+            done.synchronize()
+            for (b, _), total in zip(unread, host.tolist()):
+                b["checksum"] = sum64_digest(total)
+            pub._ready[self.version] = ready
+        return read_queued
 
 
 def _padded(entry: dict) -> int:
