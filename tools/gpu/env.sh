@@ -4,10 +4,16 @@
 # launcher/ -> streamrl.launcher).
 # Both steps are skipped when already done, so runs sourcing this in parallel (tools/gpu/on_each_gpu.sh,
 # after one has sourced it alone) do not rewrite what the others are reading.
-if [[ "$(cat /tmp/site/.whl-list 2>/dev/null)" != "$(ls .whl/)" ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
-  ls .whl/ > /tmp/site/.whl-list
-fi
+
+# install_wheels DIR TARGET: pip-install DIR's wheels into TARGET, unless that same set of files was
+# installed there already (a later call of the session, on the warm machine)
+install_wheels() {
+  local marker="$2/.installed-${1#.}"
+  [[ -f $marker && "$(cat "$marker")" == "$(ls "$1")" ]] && return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl || return 1
+  ls "$1" > "$marker"
+}
+install_wheels .whl /tmp/site || return 1
 # This checkout is the device's own copy: lay workers/ and launcher/ into the package in place
 # (python -m puts the working directory first on sys.path, so it must be complete here).
 if ! diff -rq -x __pycache__ workers streamrl/workers >/dev/null 2>&1 || ! diff -rq -x __pycache__ launcher streamrl/launcher >/dev/null 2>&1; then

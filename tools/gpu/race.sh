@@ -32,19 +32,17 @@ for d in .smolA .smolB .whl .whlrg .whlpeer .redis; do
 done
 [[ -f /tmp/stage/.whl/gguf-0.19.0-py3-none-any.whl ]] || { echo "race.sh: staged so far: $(ls -A /tmp/stage)"; exit 0; }
 source tools/gpu/env.sh || exit 1
-# installed once per machine: the later calls of a session (the peer, a second pair) skip it
-if [[ -d .whlrg && "$(cat /tmp/site/.whlrg-list 2>/dev/null)" != "$(ls .whlrg/)" ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlrg/*.whl || exit 1
+# installed once per machine (env.sh's install_wheels): the later calls of a session (the peer, a second pair) skip it
+if [[ -d .whlrg ]]; then
+  install_wheels .whlrg /tmp/site || exit 1
   # pycosat (reasoning-gym imports it) ships no py3.12 wheel: build it here from its sdist (setuptools is in .whlrg)
   if compgen -G ".whlrg/pycosat-*.tar.gz" >/dev/null && ! python3 -c "import pycosat" 2>/dev/null; then
     python3 -m pip wheel -q --no-index --no-deps --no-build-isolation -w /tmp/pycosat .whlrg/pycosat-*.tar.gz &&
       python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/pycosat/*.whl || exit 1
   fi
-  ls .whlrg/ > /tmp/site/.whlrg-list
 fi
-if [[ -d .whlpeer && ! -d /tmp/peer/trl ]]; then  # the peer's packages in their own target, on its path only
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer .whlpeer/*.whl || exit 1
-fi
+# the peer's packages in their own target, on its path only
+[[ -d .whlpeer ]] && { install_wheels .whlpeer /tmp/peer || exit 1; }
 MODEL=/tmp/smol-dense
 if [[ ! -f $MODEL/config.json && -f /tmp/stage/.smolB/part ]]; then
   cat /tmp/stage/.smolA/part /tmp/stage/.smolB/part > /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
