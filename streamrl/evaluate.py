@@ -84,51 +84,46 @@ class EvalDecoder(Protocol):
 
 
 class GenerateDecoder:
-    """``eval.engine: hf``: transformers ``generate`` on ``model``, in ``model.dtype``, all prompts in one batch.
+    """``eval.engine: hf``: transformers ``generate`` on the rollout's
+    :class:`~streamrl.engines.hf.HFEngine` model, in ``model.dtype``, all prompts in one batch.
 
-    The folder's ``generation_config.json`` is switched off (as in the rollout's
-    :class:`~streamrl.engines.hf.HFEngine`): ``generate()`` would apply its repetition penalty,
-    top-k, minimum lengths etc. even to greedy decoding, which the fast engine never does.
+    The engine switches the folder's ``generation_config.json`` off: ``generate()`` would apply its
+    repetition penalty, top-k, minimum lengths etc. even to greedy decoding, which the fast engine
+    never does; it also copies (or merges) published versions in place. Its own ``generate`` only
+    samples, so decoding is here.
     """
 
     def __init__(self, model, tok):
-        from streamrl.engines.adapter_merge import EngineWeights  # noqa: PLC0415 (a light module import)
-        from streamrl.engines.hf import neutral_generation_config  # noqa: PLC0415
+        from streamrl.engines.hf import HFEngine  # noqa: PLC0415 (transformers: only this path needs it)
 
-        self.model = model.eval()
-        self.eos = tok.eos_token_id
-        self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos
-        self.model.generation_config = neutral_generation_config(self.eos, self.pad)
-        self._weights = EngineWeights(dict(self.model.named_parameters()))
+        self.engine = HFEngine(model, tok, str(next(model.parameters()).device))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float | None = None,
                  samples: int = 1) -> list[list[list[int]]]:
-        width = max(map(len, prompts))
-        inp = torch.full((len(prompts), width), self.pad, dtype=torch.long)  # [B, width]
-        attn = torch.zeros_like(inp)
-        for i, row in enumerate(prompts):  # left padding keeps every prompt's last token aligned
-            inp[i, width - len(row):] = torch.tensor(row)
-            attn[i, width - len(row):] = 1
-        dev = next(self.model.parameters()).device
+        from streamrl.engines.hf import left_padded  # noqa: PLC0415
+
+        e = self.engine
+        inp, attn = left_padded(prompts, e.pad_id)  # [B, width] each
         k = 1 if temperature is None else samples
         kw = (dict(do_sample=False) if temperature is None else
               dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0))
-        out = self.model.generate(input_ids=inp.to(dev), attention_mask=attn.to(dev), max_new_tokens=max_new_tokens,
-                                  num_return_sequences=k, pad_token_id=self.pad, eos_token_id=self.eos, **kw)
-        rows = [self._until_eos(r) for r in out[:, width:].cpu().tolist()]  # [B * k] rows, padded after EOS
+        out = e.model.generate(input_ids=inp.to(e.device), attention_mask=attn.to(e.device),
+                               max_new_tokens=max_new_tokens, num_return_sequences=k, pad_token_id=e.pad_id,
+                               eos_token_id=e.eos_id, **kw)
+        rows = [self._until_eos(r) for r in out[:, inp.shape[1]:].cpu().tolist()]  # [B * k] rows, padded after EOS
         return [rows[i * k:(i + 1) * k] for i in range(len(prompts))]
 
     def _until_eos(self, ids: list[int]) -> list[int]:
         """A generated row without the padding after its end: up to and including the first EOS."""
-        return ids[: ids.index(self.eos) + 1] if self.eos is not None and self.eos in ids else ids
+        eos = self.engine.eos_id
+        return ids[: ids.index(eos) + 1] if eos is not None and eos in ids else ids
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._weights.load(named_tensors)
+        self.engine.load_weights(named_tensors)
 
     def close(self) -> None:
-        self.model = None
-        self._weights = None
+        self.engine.close()
 
 
 class FastDecoder:

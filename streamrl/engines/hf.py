@@ -32,6 +32,18 @@ def find_routers(model) -> list[torch.nn.Module]:
             if name.endswith("mlp.gate") and hasattr(m, "top_k") and hasattr(m, "weight")]
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` (token ids, any lengths) as ``generate()`` input: ids and attention mask, both
+    int64 [B, width], padded on the left so every row's last prompt token is aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attn[i, width - len(p):] = 1
+    return ids, attn
+
+
 def neutral_generation_config(eos_id: int | None, pad_id: int | None) -> GenerationConfig:
     """A generation config with no logits processor of its own (library defaults only).
 
@@ -80,12 +92,8 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0) -> Generation:
         b = len(prompts)
-        width = max(len(p) for p in prompts)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding keeps the last prompt token aligned
-            ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
+        ids, attn = left_padded(prompts, self.pad_id)
+        width = ids.shape[1]
         self._steps = [] if self.routers else None
         try:
             out = self.model.generate(

@@ -115,7 +115,7 @@ class Checksum:
         if self.algo != "sum64" or set(self._sums) - {"cuda"}:
             raise ValueError(f"Checksum.device_total: needs sum64 over GPU chunks, not {self.algo} over "
                              f"{sorted(self._sums)}")
-        return self._sums.get("cuda", torch.zeros((), dtype=torch.int64, device="cuda"))
+        return self._sums["cuda"] if self._sums else torch.zeros((), dtype=torch.int64, device="cuda")
 
     def digest(self) -> str:
         if self.algo == "sum64":
