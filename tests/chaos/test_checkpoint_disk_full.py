@@ -143,10 +143,11 @@ def small_disk(tmp_path):
 
 
 def _fill(disk: Path, leave_bytes: int) -> Path:
-    """Fill ``disk`` until ``leave_bytes`` are free, with a file this test owns."""
+    """Fill ``disk`` until ``leave_bytes`` are free, with a file this test owns (appended to when
+    called again)."""
     filler = disk / "filler"
     left = shutil.disk_usage(disk).free - leave_bytes
-    with filler.open("wb") as f:
+    with filler.open("ab") as f:
         chunk = b"\0" * (1 << 20)
         try:
             while left > 0:
@@ -174,10 +175,19 @@ def test_checkpoint_disk_full_mid_run_is_named_counted_and_the_run_goes_on(small
     # Less room than one checkpoint takes but more than its tensors' bytes: the check before
     # writing passes and the write itself hits ENOSPC, until the growing journal (KiB per step,
     # kept while no save succeeds) makes the check refuse too.
-    filler = _fill(small_disk, _bytes(latest_checkpoint(small_disk)) - (128 << 10))
+    leave = _bytes(latest_checkpoint(small_disk)) - (128 << 10)
+    filler = _fill(small_disk, leave)
     t0 = time.monotonic()
     learner_log = run.run_dir / "logs" / "learner.log"
-    wait_for(lambda: "learner/checkpoint_failures = 2" in learner_log.read_text(), 120, "two failed saves")
+
+    def two_failed_saves() -> bool:
+        # A save that was writing while the disk filled can still complete and then drop the
+        # checkpoint before it (keep_last 1), freeing a whole checkpoint's room: fill that too.
+        if shutil.disk_usage(small_disk).free > leave:
+            _fill(small_disk, leave)
+        return "learner/checkpoint_failures = 2" in learner_log.read_text()
+
+    wait_for(two_failed_saves, 120, "two failed saves")
     detected = time.monotonic() - t0
     failed = [int(m) for m in re.findall(r"checkpoint of step (\d+) needs", learner_log.read_text())]
     kept = run.latest_checkpoint_step()  # a save that was running while the disk filled may have made it
