@@ -40,3 +40,18 @@ def test_plain_problem_is_one_user_turn():
 
 def test_without_template_only_the_last_user_text(convo):
     assert text(PromptEncoder(ChatTok(), False).problem(convo)) == "2+2?"
+
+
+def test_a_template_asked_of_a_tokenizer_without_one_is_plain_text_and_said(convo, caplog):
+    class BaseTok(ChatTok):  # a base model's tokenizer: no chat template
+        chat_template = None
+        name_or_path = "models/base"
+
+    with caplog.at_level("WARNING", logger="streamrl.rollout.prompts"):
+        assert text(PromptEncoder(BaseTok(), True).problem(convo)) == "2+2?"
+    assert "rollout.chat_template = true, but the tokenizer of models/base has no chat template" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="streamrl.rollout.prompts"):
+        PromptEncoder(BaseTok(), True)  # an evaluation's next encoder: said once a process
+        PromptEncoder(BaseTok(), False)
+    assert caplog.text == ""

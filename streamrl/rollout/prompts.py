@@ -1,7 +1,12 @@
 """Problem -> prompt token ids, the one encoding the rollout workers and the evaluator share."""
 from __future__ import annotations
 
+import logging
+
 from streamrl.tasks.registry import Problem
+
+log = logging.getLogger(__name__)
+_warned_no_template: set[str] = set()  # once per model a process encodes for (evaluations make new encoders)
 
 
 class PromptEncoder:
@@ -9,12 +14,19 @@ class PromptEncoder:
 
     A problem that came as a conversation (``Problem.messages``: a dataset row's system / few-shot
     / user turns) is rendered whole by the chat template; without a template only its last user
-    message (``Problem.prompt``) is used, as plain text.
+    message (``Problem.prompt``) is used, as plain text. Asked for a template the tokenizer lacks
+    (a base model's), it encodes plain text too, and says so: the prompts then differ from what an
+    instruct model of the family would be shown.
     """
 
     def __init__(self, tok, chat_template: bool):
         self.tok = tok
         self.chat = chat_template and getattr(tok, "chat_template", None) is not None
+        name = getattr(tok, "name_or_path", None) or "model.path"
+        if chat_template and not self.chat and name not in _warned_no_template:
+            _warned_no_template.add(name)
+            log.warning("rollout.chat_template = true, but the tokenizer of %s has no chat template: prompts "
+                        "are encoded as plain text (set rollout.chat_template = false to silence this)", name)
 
     def __call__(self, text: str, raw: bool = False) -> list[int]:
         """One user message (``raw``: the text's own tokens, no template)."""
