@@ -101,7 +101,7 @@ class GenerateDecoder:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float | None = None,
                  samples: int = 1) -> list[list[list[int]]]:
-        from streamrl.engines.hf import left_padded  # noqa: PLC0415
+        from streamrl.engines.hf import left_padded, through_eos  # noqa: PLC0415
 
         e = self.engine
         inp, attn = left_padded(prompts, e.pad_id)  # [B, width] each
@@ -111,13 +111,8 @@ class GenerateDecoder:
         out = e.model.generate(input_ids=inp.to(e.device), attention_mask=attn.to(e.device),
                                max_new_tokens=max_new_tokens, num_return_sequences=k, pad_token_id=e.pad_id,
                                eos_token_id=e.eos_id, **kw)
-        rows = [self._until_eos(r) for r in out[:, inp.shape[1]:].cpu().tolist()]  # [B * k] rows, padded after EOS
+        rows = [r[: through_eos(r, e.eos_id)] for r in out[:, inp.shape[1]:].cpu().tolist()]  # [B * k] rows
         return [rows[i * k:(i + 1) * k] for i in range(len(prompts))]
-
-    def _until_eos(self, ids: list[int]) -> list[int]:
-        """A generated row without the padding after its end: up to and including the first EOS."""
-        eos = self.engine.eos_id
-        return ids[: ids.index(eos) + 1] if eos is not None and eos in ids else ids
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.load_weights(named_tensors)

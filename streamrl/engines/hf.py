@@ -44,6 +44,12 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return ids, attn
 
 
+def through_eos(row: list[int], eos_id: int | None) -> int:
+    """How many of a ``generate()`` row's new tokens are the answer: up to and including its first
+    EOS (``generate`` pads the rest), or all of them when it has none."""
+    return row.index(eos_id) + 1 if eos_id is not None and eos_id in row else len(row)
+
+
 def neutral_generation_config(eos_id: int | None, pad_id: int | None) -> GenerationConfig:
     """A generation config with no logits processor of its own (library defaults only).
 
@@ -114,7 +120,7 @@ class HFEngine:
         tokens, logprobs, routed = [], [], []
         for i in range(b):
             row = seq[i].tolist()
-            n = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
+            n = through_eos(row, self.eos_id)
             tokens.append(row[:n])
             logprobs.append(lp[i, :n].tolist())
             if routing is not None:
