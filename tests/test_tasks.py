@@ -7,6 +7,7 @@ import pytest
 
 from streamrl.tasks import available_tasks, get_task
 from streamrl.tasks.digits import format_score, positional_score
+from streamrl.tasks.reasoning import ReasoningGym
 from streamrl.tasks.registry import eval_problems, problem_stream
 
 
@@ -120,10 +121,20 @@ def test_reasoning_gym_mix_follows_weights_and_held_out_items_are_never_trained(
     ("task.datasets={products: {max_digitz: 2}}", "task.datasets.products.*max_digitz"),
     ("task.datasets={products: {seed: 2}}", "task.datasets.products.seed"),
     ("task.answer_format=boxed", "task.answer_format"),
+    ("task.datasets={word_sorting: {transformation: upper}}",
+     r"task.datasets.word_sorting.*transformation = 'upper': one of \['lowercase', 'original'"),
 ])
 def test_reasoning_gym_config_errors_name_the_field(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["task.name=reasoning_gym", override])
+
+
+def test_reasoning_gym_enum_options_are_read_from_yaml_strings():
+    # word_sorting's ``transformation`` is an enum in reasoning-gym: the YAML string becomes its member
+    task = ReasoningGym({"word_sorting": {"transformation": "uppercase", "min_words": 3, "max_words": 4}})
+    problem = task.sample(random.Random(0))
+    words = problem.fields["metadata"]["transformed_words"]
+    assert words and all(w == w.upper() for w in words)
 
 
 def test_datasets_only_for_reasoning_gym():

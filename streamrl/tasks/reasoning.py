@@ -38,9 +38,11 @@ the score does not depend on the task instance that scores it.
 """
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import random
+import typing
 import zlib
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -98,6 +100,7 @@ def parse_datasets(datasets: Mapping[str, Any] | None, field: str = "task.datase
                                  "remove it")
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}  # YAML lists -> tuples
         try:  # the dataset's own config class checks the options (cheap: no generator is built)
+            options = _enum_options(known[name][1], options)
             cfg = known[name][1](**options)
             if hasattr(cfg, "validate"):
                 cfg.validate()
@@ -106,6 +109,26 @@ def parse_datasets(datasets: Mapping[str, Any] | None, field: str = "task.datase
         out.append((name, float(weight), options, held_out))
     if all(h for *_, h in out):
         raise ValueError(f"{field}: every dataset is held_out; training needs at least one")
+    return out
+
+
+def _enum_options(config_cls, options: dict) -> dict:
+    """YAML strings -> the enum members a dataset's config field is typed with (word_sorting's
+    ``transformation: lowercase``), by value or by name; ValueError names the choices."""
+    try:
+        hints = typing.get_type_hints(config_cls)
+    except (NameError, TypeError):  # a hint that does not resolve: pass the options on as they are
+        return options
+    out = dict(options)
+    for key, value in options.items():
+        kind = hints.get(key)
+        if not (isinstance(value, str) and isinstance(kind, type) and issubclass(kind, enum.Enum)):
+            continue
+        by_value = {str(m.value): m for m in kind}
+        member = by_value.get(value) or kind.__members__.get(value)
+        if member is None:
+            raise ValueError(f"{key} = {value!r}: one of {sorted(by_value)}")
+        out[key] = member
     return out
 
 
