@@ -29,6 +29,7 @@ import torch
 from streamrl.config import load_config
 from streamrl.models.factory import load_model_and_tokenizer
 from streamrl.rewards import build_reward
+from streamrl.rollout.prompts import uses_chat_template
 from streamrl.tasks import build_task
 from streamrl.tasks.registry import problem_stream
 from streamrl.tasks.truncation import apply_truncation_rule, stop_ids, zeroes_truncated
@@ -94,7 +95,7 @@ def train(cfg, out: Path, budget_s: float, t0: float, device: str) -> list[dict]
     rc, lc = cfg.rollout, cfg.learner
     model, tok = load_model_and_tokenizer(cfg.model, seed=cfg.run.seed)
     task = build_task(cfg.task)
-    chat = rc.chat_template and getattr(tok, "chat_template", None) is not None
+    chat = uses_chat_template(tok, rc.chat_template)
     per_step = lc.groups_per_step * rc.group_size
     problems, dataset = make_dataset(cfg, task, count=lc.groups_per_step * 500, chat=chat)
     args = GRPOConfig(output_dir=str(out / "peer-trainer"), per_device_train_batch_size=per_step,

@@ -27,6 +27,7 @@ from streamrl.envs.render import ChatTemplateRenderer, PlainTextRenderer, Render
 from streamrl.envs.roller import EpisodeBatchRoller
 from streamrl.envs.tool_env import ToolEnv
 from streamrl.envs.tools import Calculator, HermesToolParser, ToolRegistry, ToolRunner
+from streamrl.rollout.prompts import uses_chat_template
 from streamrl.tasks import build_task
 
 PYTHON_SYSTEM_PROMPT = (
@@ -59,13 +60,9 @@ def tool_runner(cfg) -> ToolRunner:
                       max_workers=TOOL_THREADS)
 
 
-def uses_chat(cfg, tok) -> bool:
-    return bool(cfg.rollout.chat_template) and getattr(tok, "chat_template", None) is not None
-
-
 def build_renderer(cfg, tok) -> Renderer:
     """Chat template for chat models; for the character tokenizer, tool replies as ``=result ``."""
-    return ChatTemplateRenderer(tok) if uses_chat(cfg, tok) else PlainTextRenderer(tok, template=TINY_REPLY)
+    return ChatTemplateRenderer(tok) if uses_chat_template(tok, cfg.rollout.chat_template) else PlainTextRenderer(tok, template=TINY_REPLY)
 
 
 def env_maker(cfg, tok, runner: ToolRunner, reward) -> Callable[[], Any]:
@@ -82,10 +79,10 @@ def env_maker(cfg, tok, runner: ToolRunner, reward) -> Callable[[], Any]:
         if cfg.task.name != "large_arithmetic":
             raise ValueError(f"env.name = 'calculator' needs task.name = 'large_arithmetic', not {cfg.task.name!r}")
         task = build_task(cfg.task)
-        make = chat_calculator_env if uses_chat(cfg, tok) else tiny_calculator_env
+        make = chat_calculator_env if uses_chat_template(tok, cfg.rollout.chat_template) else tiny_calculator_env
         return lambda: make(task, runner, ec.max_tool_calls, reward_fn=score, call_reward=ec.call_reward)
     if ec.name == "python":
-        if not uses_chat(cfg, tok):
+        if not uses_chat_template(tok, cfg.rollout.chat_template):
             raise ValueError("env.name = 'python' needs a chat model (rollout.chat_template = true and a tokenizer "
                              "with a chat template): its tool calls are Hermes <tool_call> blocks")
 

@@ -9,6 +9,11 @@ log = logging.getLogger(__name__)
 _warned_no_template: set[str] = set()  # once per model a process encodes for (evaluations make new encoders)
 
 
+def uses_chat_template(tok, wanted: bool) -> bool:
+    """Whether prompts go through ``tok``'s chat template: asked for (``rollout.chat_template``) and there."""
+    return bool(wanted) and getattr(tok, "chat_template", None) is not None
+
+
 class PromptEncoder:
     """Prompts as token ids, through the tokenizer's chat template for instruct models.
 
@@ -21,7 +26,7 @@ class PromptEncoder:
 
     def __init__(self, tok, chat_template: bool):
         self.tok = tok
-        self.chat = chat_template and getattr(tok, "chat_template", None) is not None
+        self.chat = uses_chat_template(tok, chat_template)
         name = getattr(tok, "name_or_path", None) or "model.path"
         if chat_template and not self.chat and name not in _warned_no_template:
             _warned_no_template.add(name)
