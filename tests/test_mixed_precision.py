@@ -104,7 +104,7 @@ def _wrapped_one_rank(rank, world, tmp):
 def _bf16_compute_one_rank(rank, world):
     """The bf16 policy on a 1-rank mesh: what dtypes the layers, gradients and AdamW see."""
     from streamrl.models.factory import build_model
-    from streamrl.parallel.expert_parallel import parallelize, shard_model
+    from streamrl.parallel.expert_parallel import full_parameter, parallelize, shard_model
     from streamrl.parallel.mesh import build_mesh
 
     model, _ = build_model(load_config(f"{REPO}/configs/tiny.yaml", []).model, seed=0)
@@ -117,7 +117,11 @@ def _bf16_compute_one_rank(rank, world):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.tensor([[1, 5, 6, 7]])).logits.float().sum().backward()
     opt.step()
-    return {"layer": [str(d) for d in seen[0]],
+    # the publisher's and exporter's full tensors on one rank: the local shards themselves, no copies
+    full = [full_parameter(n, p, mesh) for n, p in model.named_parameters()]
+    return {"full_is_local": all(f.data_ptr() == p.to_local().data_ptr() and f.shape == p.shape
+                                 for f, p in zip(full, model.parameters())),
+            "layer": [str(d) for d in seen[0]],
             "params": sorted({str(p.dtype) for p in model.parameters()}),
             "grads": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
             "adam": sorted({str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim() > 0})}
@@ -161,3 +165,4 @@ def test_bf16_policy_on_one_rank_computes_bf16_over_fp32_masters():
     out = spawn_gloo(_bf16_compute_one_rank, 1, timeout_s=100)[0]
     assert out["layer"] == ["torch.bfloat16", "torch.bfloat16"]
     assert out["params"] == out["grads"] == out["adam"] == ["torch.float32"]
+    assert out["full_is_local"]
