@@ -215,15 +215,14 @@ def full_parameter(name: str, p: torch.Tensor, mesh: LearnerMesh) -> torch.Tenso
     """The full global tensor of one parameter (a collective on every rank), detached.
 
     On a one-rank mesh (FSDP2 wrapping one GPU for its mixed-precision policy alone) the local
-    shard is the whole tensor: it is returned itself, read-only by contract, instead of being
-    "gathered" into a copy. A DTensor redistribute per parameter cost 25 ms of every SmolLM2
-    publish on an H100 (``weights/gather_s``), five times the version's device-to-device copies;
-    ``p.data`` alone (a new DTensor per call) costs ten times ``p.to_local()`` without autograd.
+    shard is the whole tensor, whatever the placement: it is returned itself, read-only by
+    contract. A redistribute would copy every tensor of every published version, and its Python
+    per parameter is several times the publisher's own; ``p.data`` (a new DTensor per call) is
+    avoided for the same reason.
     """
     with torch.no_grad():
         if isinstance(p, DTensor):
-            local = p.to_local()
-            t = local if p.device_mesh.size() == 1 and local.shape == p.shape else p.full_tensor()
+            t = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
         else:
             t = p
         if mesh.dims.ep > 1 and is_expert_param(name):
