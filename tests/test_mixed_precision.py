@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from streamrl.config import load_config
 from streamrl.learner.run_checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from streamrl.learner.trainer import Trainer
-from streamrl.parallel.expert_parallel import shard_policy
+from streamrl.parallel.expert_parallel import full_parameter, shard_policy
+from streamrl.weights.layout import ResidentTensors
 
 from tests.dist_helpers import spawn_gloo
 
@@ -77,16 +78,27 @@ def _variant_steps(tmp: pathlib.Path, extra) -> dict:
 
 
 def _train(tmp: pathlib.Path, steps: int, save_at: int | None = None, resume: bool = False):
-    """(losses, published params) after ``steps`` steps, from the latest checkpoint when ``resume``."""
+    """(losses, published params, trainer, whether the resident tensors stayed live) after
+    ``steps`` steps, from the latest checkpoint when ``resume``."""
     torch.manual_seed(0)
     tr = Trainer(_cfg(tmp))
+    resident = tr.full_tensors()  # taken before the first step (FSDP's lazy init) and the resume
     start = load_checkpoint(latest_checkpoint(tmp / "ck"), tr)[0]["step"] if resume else 0
     losses = []
     for s in range(start, steps):
         losses.append(tr.step(make_batch(100 + s))["learner/loss"])
         if save_at == s + 1:
             save_checkpoint(tmp / "ck", s + 1, tr, {"version": s + 1})
-    return losses, _params(tr), tr
+    return losses, _params(tr), tr, _resident_live(tr, resident)
+
+
+def _resident_live(tr, resident) -> bool:
+    """Whether ``resident`` (an earlier ``full_tensors()``) is still what a publish hands out and
+    still holds the parameters as they are now: one process publishes the parameters' own
+    storage, which training and checkpoint loads must update in place, never re-point."""
+    now = [full_parameter(n, p, tr.mesh) for n, p in tr.model.named_parameters()]
+    return (isinstance(resident, ResidentTensors) and tr.full_tensors() is resident
+            and len(now) == len(resident) and all(torch.equal(r, t) for r, t in zip(resident, now)))
 
 
 def _wrapped_one_rank(rank, world, tmp):
@@ -94,10 +106,10 @@ def _wrapped_one_rank(rank, world, tmp):
     assert world == 1
     _force_wrapping()
     tmp = pathlib.Path(tmp)
-    losses, params, tr = _train(tmp / "w", 4, save_at=2)
+    losses, params, tr, live = _train(tmp / "w", 4, save_at=2)
     wrapped = all(isinstance(p, DTensor) for p in tr.model.parameters())
     resumed = _train(tmp / "w", 4, resume=True)
-    return {"wrapped": wrapped, "losses": losses, "params": params,
+    return {"wrapped": wrapped, "losses": losses, "params": params, "resident_live": [live, resumed[3]],
             "resumed_losses": resumed[0], "resumed_params": resumed[1]}
 
 
@@ -129,10 +141,12 @@ def _bf16_compute_one_rank(rank, world):
 
 @pytest.mark.timeout(300)
 def test_wrapped_one_rank_trains_resumes_and_publishes_like_unwrapped(tmp_path):
-    ref_losses, ref_params, tr = _train(tmp_path / "ref", 4)
+    ref_losses, ref_params, tr, ref_live = _train(tmp_path / "ref", 4)
     assert not any(isinstance(p, DTensor) for p in tr.model.parameters())  # CPU: unwrapped by default
     out = spawn_gloo(_wrapped_one_rank, 1, str(tmp_path), timeout_s=240)[0]
     assert out["wrapped"]
+    # the publisher replays its copies of these tensors: they must follow training and the resume
+    assert ref_live and out["resident_live"] == [True, True]
     assert out["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert out["params"].keys() == ref_params.keys()
     for k, v in ref_params.items():

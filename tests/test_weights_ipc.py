@@ -26,7 +26,7 @@ from streamrl.coord.coordinator import Coordinator
 from streamrl.weights import lease, planes
 from streamrl.weights.adapter import adapt_specs, adapt_tensor
 from streamrl.weights.ipc import IpcRecordError, VersionSlots, parse_record
-from streamrl.weights.layout import Layout
+from streamrl.weights.layout import Layout, ResidentTensors
 from streamrl.weights.publisher import WeightPublisher, host_id
 from streamrl.weights.subscriber import WeightSubscriber
 
@@ -51,10 +51,14 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
+def engine_digests(tensors: list[torch.Tensor]) -> dict[str, str]:
+    """Digests of what an engine holds after loading a version of ``tensors`` (their values now)."""
+    return {n: digest(v) for (name, _, _), t in zip(SPECS, tensors) for n, v in adapt_tensor(name, t, TARGET)}
+
+
 def expected(seed: int) -> dict[str, str]:
     """Digests of what an engine holds after loading the version published from ``seed``."""
-    tensors = make_tensors(seed)
-    return {n: digest(v) for (name, _, _), t in zip(SPECS, tensors) for n, v in adapt_tensor(name, t, TARGET)}
+    return engine_digests(make_tensors(seed))
 
 
 # -- plane selection (CPU) -------------------------------------------------------------------------
@@ -367,6 +371,55 @@ def test_a_background_publish_holds_the_weights_of_its_call(ipc):
         pub.wait_announced()
         assert child.ask("load", v=v)["digests"] == expected(100 + v)
         assert coord.acks()[1] == v
+
+
+class CountedResident(ResidentTensors):
+    """Resident tensors that count how often a publish takes them one by one."""
+    taken = 0
+
+    def __iter__(self):
+        self.taken += 1
+        return super().__iter__()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_resident_tensors_replay_their_copies_bit_exact(ipc):
+    """The one-GPU learner's publish: the same resident tensors every version, updated in place
+    right after each publish. Each slot's first version takes them one by one and records its
+    copies; every later version replays them (the tensors are not taken again), and every version
+    loads bit-exact with the values of its call."""
+    pub, coord, child = ipc
+    resident = CountedResident(on_gpu(make_tensors(100)))
+    for v in range(5):
+        want = engine_digests(resident)
+        timings = pub.publish(v, SPECS, resident, background=True)
+        assert timings["weights/peak_tensor_bytes"] == max(t.nbytes for t in resident)
+        for t in resident:
+            t.add_(1)  # the next optimizer step, queued after the copies
+        pub.wait_announced()
+        assert child.ask("load", v=v)["digests"] == want
+        assert resident.taken == min(v + 1, 2)  # v0 and v1 fill the two slots; v2.. replay
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_resident_tensors_that_need_a_copy_are_taken_every_version(ipc):
+    """A non-contiguous resident tensor is copied through a temporary: nothing is recorded, each
+    version takes every tensor again, and each loads bit-exact."""
+    pub, coord, child = ipc
+    tensors = on_gpu(make_tensors(100))
+    tensors[0] = tensors[0].t().contiguous().t()  # same shape and values, transposed storage
+    resident = CountedResident(tensors)
+    for v in range(4):
+        want = engine_digests(resident)
+        pub.publish(v, SPECS, resident, background=True)
+        assert pub.store.files[v].plan is None
+        for t in resident:
+            t.add_(1)
+        pub.wait_announced()
+        assert child.ask("load", v=v)["digests"] == want
+    assert resident.taken == 4
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from streamrl.parallel.mesh import build_mesh
 from streamrl.roles.reference import load_reference_model, reference_role_configured, served_ref_logprobs
 from streamrl.trajectory import num_trajectories
 from streamrl.utils import use_tf32
+from streamrl.weights.layout import ResidentTensors
 
 Plan = tuple[LazyMicroBatches, list[float]]  # this rank's micro-batches, the global token weight of each index
 
@@ -124,6 +125,7 @@ class Trainer:
                                        fused=True)
         self.loss_fn = StepLoss(lc, self.num_experts, self.top_k, self.world, self.mesh.dp_group)
         self.steps_done = 0
+        self._resident: ResidentTensors | None = None  # full_tensors() in one process
 
     def step(self, batch: TensorDict) -> dict[str, float]:
         """One learner step (``minibatches`` optimizer steps) on a packed batch, same on every rank.
@@ -382,15 +384,28 @@ class Trainer:
             lo += len(m.rows)
         return out
 
-    def full_tensors(self) -> Iterator[torch.Tensor]:
-        """Full (unsharded, all experts) parameters one at a time, in ``param_specs`` order.
+    def full_tensors(self) -> Iterable[torch.Tensor] | Iterable[list[torch.Tensor]]:
+        """Full (unsharded, all experts) parameters in ``param_specs`` order.
 
         Every rank must iterate (each gather is a collective); only the consumer on rank 0
-        keeps them, and only one at a time. With ``router_ema`` the routers are the EMA copies.
+        keeps them, and only one at a time. With ``router_ema`` the routers are the EMA copies;
+        with LoRA, the adapters' packed tensors, each as a list of pieces.
+
+        In one process (no LoRA, no router EMA) every parameter is whole where it lives: the
+        tensors are the parameters' own storage, which the optimizer, the gradient clip and
+        checkpoint loads update in place, and the same :class:`ResidentTensors` is returned at
+        every call, so the ipc publisher replays its copies of the last version instead of
+        taking each tensor again (Python per tensor, not bytes, bounds a one-GPU publish).
         """
         if self.lora is not None:  # an adapter version: its packed tensors, each as a list of pieces
-            yield from self.lora.full_tensors()
-            return
+            return self.lora.full_tensors()
+        if self.world == 1 and not self.router.ema:
+            if self._resident is None:
+                self._resident = ResidentTensors(self._gathered())
+            return self._resident
+        return self._gathered()
+
+    def _gathered(self) -> Iterator[torch.Tensor]:
         ema = self.router.ema_state() if self.router.ema else {}
         for name, p in self.model.named_parameters():
             if is_critic_param(name):  # the value head stays with the learner

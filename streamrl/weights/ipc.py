@@ -35,13 +35,14 @@ import os
 import re
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from streamrl.weights import lease
-from streamrl.weights.layout import Checksum
+from streamrl.weights.layout import Checksum, Layout
 from streamrl.weights.store import shm_dir
 
 log = logging.getLogger(__name__)
@@ -184,14 +185,34 @@ class VersionSlots:
         self.held = [None] * len(self.held)
 
 
+@dataclass
+class CopyPlan:
+    """The copies that wrote a version of :class:`~streamrl.weights.layout.ResidentTensors` into a
+    slot, kept to be queued again for the next version of the same tensors into the same slot:
+    a version is then one ``_foreach_copy_`` and one sum per bucket, with no Python per tensor.
+
+    ``sources``: the tensors (their identity is the key); ``layout``: the publisher's layout plan
+    they were written by (its identity too); ``buckets``: per bucket, its (dst, src) uint8 views
+    as :func:`copy_bucket` takes them, dst in the slot and src aliasing a source; ``peak``: the
+    largest tensor's bytes.
+    """
+
+    sources: list
+    layout: Layout
+    buckets: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    peak: int
+
+
 class DeviceSlot:
     """One shared device buffer: ``buf`` uint8 [capacity] on the learner's GPU, its IPC
-    ``record`` (made once), and ``path``, the lease file of the version it holds."""
+    ``record`` (made once), ``path``, the lease file of the version it holds, and ``plan``, the
+    copies that wrote it when they can be replayed (:class:`CopyPlan`)."""
 
     def __init__(self, capacity: int, device: torch.device):
         self.buf = torch.empty(max(capacity, 8), dtype=torch.uint8, device=device)
         self.record = share(self.buf)
         self.path: Path | None = None
+        self.plan: CopyPlan | None = None
 
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buf[offset: offset + nbytes]

@@ -65,6 +65,18 @@ class PackedSpec(tuple):
     __hash__ = tuple.__hash__
 
 
+class ResidentTensors(list):
+    """A version's tensors that are the weights themselves, not copies: each is (a view of) the
+    storage the trainer updates in place, in specs order, and the same object is handed to every
+    publish. A publisher may keep references to them and re-read them at the next version (the ipc
+    plane replays the copies it recorded: :class:`~streamrl.weights.ipc.CopyPlan`).
+
+    The contract the owner keeps: no tensor is re-pointed to new storage (``p.data = ...``,
+    ``model.to(...)``) while the list is in use; in-place updates (the optimizer, a checkpoint
+    load) are what it is for.
+    """
+
+
 def tensor_count(specs: list) -> int:
     """How many tensors a version of ``specs`` hands its consumers (a packed spec: its parts)."""
     return sum(len(s.parts) if isinstance(s, PackedSpec) else 1 for s in specs)

@@ -47,9 +47,9 @@ import torch
 from streamrl.coord.coordinator import Coordinator
 from streamrl.weights.adapter import adapt_specs, adapt_tensor
 from streamrl.weights.collective import CollectiveSender
-from streamrl.weights.ipc import DeviceStore, copy_bucket
+from streamrl.weights.ipc import CopyPlan, DeviceStore, copy_bucket
 from streamrl.transport.codec import DTYPES
-from streamrl.weights.layout import CHUNK, Checksum, Layout, sum64_digest, write_tensor
+from streamrl.weights.layout import CHUNK, Checksum, Layout, ResidentTensors, sum64_digest, write_tensor
 from streamrl.weights.manifest import ManifestJSON
 from streamrl.weights.store import ShmStore
 from streamrl.weights.zmq_plane import BucketServer
@@ -120,6 +120,10 @@ class WeightPublisher:
         be tensors or ``(name, tensor)``) and announce ``version``. The item of a
         :class:`~streamrl.weights.layout.PackedSpec` may also be a list of 1-d tensors (its
         pieces), concatenated straight into the store: the pack is never a tensor of its own.
+        :class:`~streamrl.weights.layout.ResidentTensors` (the weights themselves, the same object
+        every version) on the ipc plane in the background: the copies of the last version written
+        into the same slot are queued again (:class:`~streamrl.weights.ipc.CopyPlan`), with no
+        Python per tensor.
 
         ``background``: return once the version is written, or on the ipc plane once its copies
         are queued on the tensors' CUDA stream (work queued after them, such as the next optimizer
@@ -143,31 +147,18 @@ class WeightPublisher:
         queued = background and isinstance(self.store, DeviceStore)
         layout = self._layout(specs)
         manifest, vf = self._begin(version, layout)
-        writer = _BucketWriter(self, version, layout, vf)
-        gather_s = write_s = gpu_wait_s = 0.0
-        waited = False
-        peak = 0
-        it = iter(tensors)
-        for name, dtype, shape in specs:
-            tg = time.perf_counter()
-            item = next(it)
-            t = item[1] if isinstance(item, tuple) else item
+        writer = _BucketWriter(self, version, layout, vf, record=isinstance(tensors, ResidentTensors))
+        plan = getattr(vf, "plan", None)  # a device slot's copies of the last version written into it
+        if queued and plan is not None and plan.sources is tensors and plan.layout is self._plan[1]:
+            # the same tensors into the same slot: their copies again, no Python per tensor
             tw = time.perf_counter()
-            gather_s += tw - tg
-            packed = isinstance(t, list)  # a PackedSpec's pieces
-            lead = (t[0] if t else None) if packed else t
-            peak = max(peak, math.prod(shape) * dtype.itemsize if packed else t.nbytes)  # put_packed checks it
-            if lead is not None and lead.is_cuda and not waited and not queued:
-                torch.cuda.current_stream(lead.device).synchronize()
-                gpu_wait_s, waited = time.perf_counter() - tw, True
-            if packed:
-                writer.put_packed(name, t)
-            else:
-                for ename, piece in adapt_tensor(name, t, self.target):
-                    writer.put(ename, piece)
-            del t, item, lead
-            write_s += time.perf_counter() - tw
+            writer.replay(plan.buckets)
+            gather_s, write_s, gpu_wait_s, peak = 0.0, time.perf_counter() - tw, 0.0, plan.peak
+        else:
+            gather_s, write_s, gpu_wait_s, peak = self._put_all(writer, specs, tensors, queued)
         read_digests = writer.finish(queued)
+        if writer.recorded is not None:
+            vf.plan = CopyPlan(tensors, self._plan[1], writer.recorded, peak)
 
         def announce() -> float:
             t = time.perf_counter()
@@ -193,6 +184,35 @@ class WeightPublisher:
             announce()
         out["weights/publish_s"] = time.perf_counter() - t0
         return out
+
+    def _put_all(self, writer: _BucketWriter, specs: list, tensors: Iterable, queued: bool
+                 ) -> tuple[float, float, float, int]:
+        """Take each tensor (lazily: a gather each) and put it. Returns (gather_s, write_s,
+        gpu_wait_s, peak tensor bytes), as :meth:`publish` reports them."""
+        gather_s = write_s = gpu_wait_s = 0.0
+        waited = False
+        peak = 0
+        it = iter(tensors)
+        for name, dtype, shape in specs:
+            tg = time.perf_counter()
+            item = next(it)
+            t = item[1] if isinstance(item, tuple) else item
+            tw = time.perf_counter()
+            gather_s += tw - tg
+            packed = isinstance(t, list)  # a PackedSpec's pieces
+            lead = (t[0] if t else None) if packed else t
+            peak = max(peak, math.prod(shape) * dtype.itemsize if packed else t.nbytes)  # put_packed checks it
+            if lead is not None and lead.is_cuda and not waited and not queued:
+                torch.cuda.current_stream(lead.device).synchronize()
+                gpu_wait_s, waited = time.perf_counter() - tw, True
+            if packed:
+                writer.put_packed(name, t)
+            else:
+                for ename, piece in adapt_tensor(name, t, self.target):
+                    writer.put(ename, piece)
+            del t, item, lead
+            write_s += time.perf_counter() - tw
+        return gather_s, write_s, gpu_wait_s, peak
 
     def wait_announced(self) -> float | None:
         """Wait for the last background announcement; its seconds (None when there was none).
@@ -322,7 +342,9 @@ class _BucketWriter:
     last tensor is in is checksummed, sent (collective plane) or made servable (store), and
     announced in Redis (streamed versions)."""
 
-    def __init__(self, pub: WeightPublisher, version: int, layout: Layout, vf):
+    def __init__(self, pub: WeightPublisher, version: int, layout: Layout, vf, record: bool = False):
+        """``record``: the tensors are :class:`ResidentTensors`; on the ipc plane each bucket's
+        copies are kept in ``recorded`` (None when any copy reads a temporary instead)."""
         self.pub, self.version, self.layout, self.vf = pub, version, layout, vf
         self.announce = pub._streamed(layout)
         self.entry_i = self.bucket_i = 0
@@ -337,6 +359,7 @@ class _BucketWriter:
         self.device = vf is not None and vf.buf.is_cuda
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.unread: list[tuple[dict, Checksum]] = []
+        self.recorded: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = [] if record and self.device else None
 
     def put(self, ename: str, piece: torch.Tensor) -> None:
         e = self.layout.tensors[self.entry_i]
@@ -346,6 +369,8 @@ class _BucketWriter:
         if self.vf is None:
             self.pieces.append((e, piece))
         elif self.device:
+            if not piece.is_contiguous():  # its copy would read a temporary: nothing to replay
+                self.recorded = None
             if e["nbytes"]:
                 self.copies.append((self.vf.region(e["offset"], e["nbytes"]),
                                     piece.contiguous().reshape(-1).view(torch.uint8)))
@@ -368,6 +393,7 @@ class _BucketWriter:
             raise ValueError(f"packed tensor {ename} of {pieces[0].dtype if pieces else '-'} does not match its "
                              f"spec {e['name']} {e['dtype']} (a packed one: {'parts' in e})")
         if not (self.base and pieces and pieces[0].is_cpu):
+            self.recorded = None  # the copy reads the concatenation, a temporary
             packed = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
             self.put(ename, packed)  # checks the total
             return
@@ -393,6 +419,15 @@ class _BucketWriter:
                                  f"its spec {e['shape']}")
         self.ck.update(region)
         self._advance()
+
+    def replay(self, buckets: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Queue every bucket's recorded copies (a :class:`CopyPlan`'s) and close the buckets: the
+        version's tensors are all in, as if each had been put."""
+        self.recorded = None
+        for b, copies in zip(self.layout.buckets, buckets):
+            self.copies = copies
+            self._close_bucket(b)
+        self.entry_i = len(self.layout.tensors)
 
     def _advance(self) -> None:
         """One engine tensor is in: close its bucket when it was the bucket's last."""
@@ -425,6 +460,8 @@ class _BucketWriter:
             stream = copy_bucket(self.vf.region(b["offset"], b["nbytes"]), self.copies, self.ck)
             if stream not in pub._dma_streams:
                 pub._dma_streams.append(stream)
+            if self.recorded is not None:
+                self.recorded.append(self.copies)
             self.copies = []
             self.unread.append((b, self.ck))
             self.ck = Checksum(pub.checksum)
