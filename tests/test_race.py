@@ -8,7 +8,7 @@ import math
 import pytest
 
 from streamrl.bench import race
-from streamrl.bench.race_curve import compare, curve_fields, time_to_accuracy
+from streamrl.bench.race_curve import check_same_setup, compare, curve_fields, time_to_accuracy
 from tests.model_helpers import tiny_llama_folder
 
 pytest.importorskip("trl")
@@ -45,6 +45,14 @@ def test_curve_fields_give_each_held_out_set_its_stderr():
     assert f["sets"]["chain_sum"]["stderr"] is None and f["truncated"] == 0.1
 
 
+def test_check_same_setup_names_the_field_and_tolerates_older_jsons():
+    a = {"model": "0123", "tokenizer": {"eos": "<|im_end|>", "chat_template": "abcd"}, "device": "NVIDIA H100"}
+    assert check_same_setup({"streamrl": a, "peer": dict(a)}) == []
+    assert check_same_setup({"streamrl": a, "peer": None}) == ["peer"]  # recorded before setups were: unchecked
+    with pytest.raises(ValueError, match=r"different setups: tokenizer .*chat_template.*None"):
+        check_same_setup({"streamrl": a, "peer": {**a, "tokenizer": {"eos": "<|im_end|>", "chat_template": None}}})
+
+
 def test_combine_names_a_missing_side(tmp_path, capsys):
     assert race.main(["--combine", str(tmp_path)]) == 2
     assert "no streamrl.json (run --side streamrl" in capsys.readouterr().err
@@ -57,7 +65,7 @@ def test_score_phase_names_a_side_not_trained(tmp_path, repo, capsys):
     assert f"no {tmp_path / 'peer-exports.json'} (run --side peer --phase train" in capsys.readouterr().err
 
 
-def test_race_runs_both_sides_and_scores_them_with_one_evaluator(tmp_path, repo):
+def test_race_runs_both_sides_and_scores_them_with_one_evaluator(tmp_path, repo, capsys):
     """Both sides of a tiny race (StreamRL in one invocation, the peer as --phase train then --phase
     score, as on the GPU), then --combine: every point is a real score."""
     model = tiny_llama_folder(tmp_path / "model")
@@ -87,6 +95,15 @@ def test_race_runs_both_sides_and_scores_them_with_one_evaluator(tmp_path, repo)
     # that would overrun it (its first step on a busy 2-core machine can end past the budget)
     assert res["streamrl"][-1]["time_s"] == pytest.approx(40, abs=2)
     assert "time_to_peer_final_accuracy_ratio" in res and res["budget_s"] == 40
+    setup = res["setup"]
+    assert setup["device"] == "cpu" and len(setup["model"]) == len(setup["held_out"]) == 16
+    # a side scored on another setup (here another transformers release) is refused, naming what differs
+    peer = json.loads((out / "peer.json").read_text())
+    peer["setup"]["versions"]["transformers"] = "0.0"
+    (out / "peer.json").write_text(json.dumps(peer))
+    capsys.readouterr()
+    assert race.main(["--combine", str(out)]) == 2
+    assert "different setups: versions" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -18,7 +18,10 @@ a side that does not fit one call) and a combine step, or both at once::
     streamrl-bench race --config configs/race-tiny.yaml --budget-s 60 --device cpu --json   # both sides
 
 Training writes ``OUT/<side>-exports.json`` (the exports and their times), scoring
-``OUT/<side>.json`` (its scored curve); ``--combine`` (and a both-sides run) writes
+``OUT/<side>.json`` (its scored curve and its ``setup``: the base model's bytes, the tokenizer's
+special tokens and template, the held-out set, the torch and transformers releases, the device).
+Sides run in separate calls may land on different machines, so ``--combine`` refuses two sides
+whose setups differ, naming the field. ``--combine`` (and a both-sides run) writes
 ``OUT/race.json`` and ``OUT/race.png``. The JSON holds both curves (points ``{"fraction",
 "time_s", "samples", "step", "accuracy", "stderr", "sets", ...}``) and the figures of
 :func:`streamrl.bench.race_curve.compare`, ``time_to_peer_final_accuracy_ratio`` among them.
@@ -32,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from streamrl.bench.race_curve import FolderScorer, compare, plot
+from streamrl.bench.race_curve import FolderScorer, check_same_setup, compare, plot
 from streamrl.bench.race_streamrl import run_streamrl_side
 from streamrl.config import load_config
 
@@ -106,9 +109,11 @@ def score_side(args, side: str, cfg, out: Path, device: str) -> dict:
     score = FolderScorer(cfg, device)
     base = score(cfg.model.path)
     curve = scored_curve(cfg, trained["points"], base, score, trained["budget_s"])
+    setup = score.setup()
     score.close()
     result = {"side": side, "budget_s": trained["budget_s"], "train_wall_s": trained["train_wall_s"], "curve": curve,
-              "config": args.config, "overrides": args.overrides, "scoring_s": round(time.time() - t0, 1)}
+              "config": args.config, "overrides": args.overrides, "setup": setup,
+              "scoring_s": round(time.time() - t0, 1)}
     (out / f"{side}.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -124,10 +129,17 @@ def combine(out: Path) -> dict:
     if sides["streamrl"]["budget_s"] != sides["peer"]["budget_s"]:
         raise ValueError(f"--combine {out}: the sides ran different budgets "
                          f"({sides['streamrl']['budget_s']} vs {sides['peer']['budget_s']} s)")
+    try:
+        missing = check_same_setup({side: sides[side].get("setup") for side in SIDES})
+    except ValueError as e:
+        raise ValueError(f"--combine {out}: {e}") from None
+    for side in missing:
+        print(f"streamrl-bench race: --combine {out}: {side}.json records no setup; the sides' model, tokenizer, "
+              f"held-out set and releases are not checked", file=sys.stderr)
     curves = {side: sides[side]["curve"] for side in SIDES}
     result = {"budget_s": sides["peer"]["budget_s"], "config": sides["peer"]["config"],
               **compare(curves["streamrl"], curves["peer"]), "streamrl": curves["streamrl"], "peer": curves["peer"],
-              "train_wall_s": {s: sides[s]["train_wall_s"] for s in SIDES}}
+              "train_wall_s": {s: sides[s]["train_wall_s"] for s in SIDES}, "setup": sides["peer"].get("setup")}
     png = out / "race.png"
     plot({"StreamRL": curves["streamrl"], "TRL GRPOTrainer": curves["peer"]}, png,
          f"{Path(result['config']).stem}: held-out accuracy vs wall time ({result['budget_s']:.0f} s each)")

@@ -12,10 +12,13 @@ first time a curve reaches an accuracy, linearly interpolated between points.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from pathlib import Path
 
 import torch
+import transformers
 
 from streamrl.evaluate import eval_decoder, evaluate_config, eval_set
 from streamrl.models.factory import load_model_and_tokenizer
@@ -57,6 +60,22 @@ class FolderScorer:
         del model
         return curve_fields(evaluate_config(self.decoder, self.tok, self.cfg, self.task, self.problems))
 
+    def setup(self) -> dict:
+        """What must be equal for two sides' curves to be compared (:func:`check_same_setup`):
+        the base model folder's bytes, the tokenizer's special tokens and chat template, the
+        held-out problems, the torch and transformers releases and the device. Call after the
+        first folder is scored (the tokenizer is the decoder's)."""
+        tok = self.tok
+        template = getattr(tok, "chat_template", None)
+        problems = json.dumps([[p.prompt, p.answer] for p in self.problems]).encode()
+        path = Path(self.cfg.model.path)
+        return {"model": folder_digest(path) if path.is_dir() else str(path),
+                "tokenizer": {"bos": tok.bos_token, "eos": tok.eos_token, "pad": tok.pad_token,
+                              "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16] if template else None},
+                "held_out": hashlib.sha256(problems).hexdigest()[:16],
+                "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+                "device": torch.cuda.get_device_name(self.device) if self.device.startswith("cuda") else "cpu"}
+
     def close(self) -> None:
         """Free the decoder's model (and a fast engine's KV cache and captured graphs) on the device."""
         if self.decoder is not None:
@@ -64,6 +83,33 @@ class FolderScorer:
         self.decoder = None
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+def folder_digest(folder: Path) -> str:
+    """sha256 (16 hex digits) of every file of an HF folder, names and bytes, in name order."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(folder)).encode() + b"\0")
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def check_same_setup(setups: dict[str, dict | None]) -> list[str]:
+    """Raise ``ValueError`` naming the first field in which the sides' :meth:`FolderScorer.setup`
+    differ: their curves are not comparable (another tokenizer, transformers release or GPU
+    changes the base model's score and the time axis). Returns the sides recorded without one
+    (older JSONs), which cannot be checked."""
+    missing = [side for side, setup in setups.items() if setup is None]
+    known = {side: setup for side, setup in setups.items() if setup is not None}
+    if len(known) == 2:
+        (a, sa), (b, sb) = known.items()
+        for key in sa.keys() | sb.keys():
+            if sa.get(key) != sb.get(key):
+                raise ValueError(f"the sides ran on different setups: {key} {sa.get(key)!r} ({a}) vs "
+                                 f"{sb.get(key)!r} ({b}); run both sides on one setup")
+    return missing
 
 
 def curve_fields(row: dict) -> dict:
