@@ -11,8 +11,11 @@
 # takes three calls (this script looks in the folder and in /tmp/stage, where earlier calls left it):
 #   .smolA/.smolB: the two halves of the SmolLM2 GGUF (see tools/gpu/smol_stage.sh);
 #   .whl + .redis: ../shared/tools/device-wheels.sh gguf==0.19.0;
-#   .whlrg: reasoning-gym, math-verify and their dependencies (py3.12 wheels; pycosat's sdist, built there);
-#   .whlpeer: trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 (the peer's own target).
+#   .whlrg: reasoning-gym, math-verify and their dependencies (py3.12 wheels; pycosat's sdist, built there) and
+#   .whlpeer: trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 (the peer's own target): both made by
+#     bash tools/gpu/race_wheels.sh (after make setup).
+# Each side's JSON records its setup (model bytes, tokenizer, held-out set, releases, GPU); --combine refuses two
+# sides whose setups differ, so a pair's sides may run in different calls or sessions but not on different setups.
 #   call 1, carry [.smolA, .redis, .whlpeer]: STAGE=1 bash tools/gpu/race.sh
 #   call 2, carry [.smolB, .whl]:             STAGE=1 bash tools/gpu/race.sh   (also prepares the model)
 #   call 3, carry [.whlrg]:                   SIDE=streamrl bash tools/gpu/race.sh
