@@ -65,6 +65,20 @@ def test_score_phase_names_a_side_not_trained(tmp_path, repo, capsys):
     assert f"no {tmp_path / 'peer-exports.json'} (run --side peer --phase train" in capsys.readouterr().err
 
 
+def test_a_folder_whose_tokenizer_lost_its_specials_or_template_is_refused_before_training(tmp_path, repo, capsys):
+    model = tiny_llama_folder(tmp_path / "model")
+    args = ["--config", str(repo / "configs/tiny.yaml"), "--out", str(tmp_path / "race"), f"model.path={model}"]
+    assert race.main([*args, "rollout.chat_template=true"]) == 2
+    assert "rollout.chat_template = true but its tokenizer has no chat template" in capsys.readouterr().err
+    cfg_file = model / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_file.read_text())
+    tok_cfg["eos_token"] = None
+    cfg_file.write_text(json.dumps(tok_cfg))
+    assert race.main(args) == 2
+    assert "its tokenizer has no end-of-sequence token" in capsys.readouterr().err
+    assert not (tmp_path / "race").exists()  # refused before any side ran
+
+
 def test_race_runs_both_sides_and_scores_them_with_one_evaluator(tmp_path, repo, capsys):
     """Both sides of a tiny race (StreamRL in one invocation, the peer as --phase train then --phase
     score, as on the GPU), then --combine: every point is a real score."""

@@ -64,6 +64,23 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def check_model_folder(cfg) -> None:
+    """Refuse, before either side starts, a model folder whose tokenizer would make the race
+    unfair or broken: no end-of-sequence token (no response stops; TRL cannot pad), or no chat
+    template where ``rollout.chat_template`` asks for one (the sides would format prompts in
+    ways the model was not tuned for). Both are what a GGUF conversion can lose."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 (a --combine needs no model)
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    where = f"model.path = {cfg.model.path!r}"
+    if tok.eos_token is None:
+        raise ValueError(f"{where}: its tokenizer has no end-of-sequence token (no response could stop, TRL cannot "
+                         f"pad); prepare the folder again (streamrl-prepare-model)")
+    if cfg.rollout.chat_template and not tok.chat_template:
+        raise ValueError(f"{where}: rollout.chat_template = true but its tokenizer has no chat template; prepare "
+                         f"the folder again, or race on plain prompts with rollout.chat_template=false")
+
+
 def scored_curve(cfg, points: list[dict], base: dict, score: FolderScorer, budget_s: float) -> list[dict]:
     """The base model's point then each export's, scored by the one evaluator."""
     curve = [{"fraction": 0.0, "time_s": 0.0, "step": 0, "samples": 0, **base}]
@@ -166,6 +183,8 @@ def main(argv=None) -> int:
             cfg = load_config(args.config, args.overrides)  # a config error stops here, before any run
             if not cfg.model.path:
                 raise ValueError("model.path: the race needs an HF model folder (TRL loads it too)")
+            if args.phase in ("all", "train"):
+                check_model_folder(cfg)
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             device = args.device or cfg.eval.device
