@@ -406,6 +406,7 @@ class Trainer:
         return self._gathered()
 
     def _gathered(self) -> Iterator[torch.Tensor]:
+        """Each published parameter's full tensor, gathered when it is taken (a collective)."""
         ema = self.router.ema_state() if self.router.ema else {}
         for name, p in self.model.named_parameters():
             if is_critic_param(name):  # the value head stays with the learner
