@@ -47,10 +47,15 @@ samples = recs[-1]["learner/samples"] - recs[0]["learner/samples"]
 idle = sum(r["learner/idle_s"] for r in recs[1:]); busy = sum(r["learner/step_s"] for r in recs[1:])
 steps = [b["wall_s"] - a["wall_s"] for a, b in zip(recs, recs[1:])]
 pub = [r["weights/publish_s"] for r in recs[1:] if r.get("weights/publish_s") is not None]
+def med(key):  # the median of a per-step metric over the measured steps (None when never logged)
+    vals = [r[key] for r in recs[1:] if isinstance(r.get(key), (int, float))]
+    return statistics.median(vals) if vals else None
 skipped = sum(r.get("learner/skipped_no_signal", 0) for r in recs)
 out = {"samples_per_s": samples / wall, "learner_idle_pct": 100 * idle / (idle + busy),
        "step_s_median": statistics.median(steps), "publish_s_median": statistics.median(pub) if pub else None,
        "publish_share_of_wall": sum(pub) / wall, "learner_step_s_median": statistics.median(r["learner/step_s"] for r in recs),
+       "learner_compute_s_median": med("learner/compute_s"), "publish_gather_s_median": med("weights/gather_s"),
+       "publish_write_s_median": med("weights/write_s"),
        "staleness_mean": statistics.mean(r["learner/staleness_mean"] for r in recs),
        "steps_measured": len(recs) - 1, "steps_skipped": skipped}
 import os; out["run"] = os.environ.get("RUN", "run"); print(json.dumps(out))
