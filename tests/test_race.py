@@ -143,3 +143,27 @@ def test_compare_reports_the_never_trained_families_base_vs_final():
     assert res["streamrl_held_out_families"]["gain"] == pytest.approx(0.2)
     assert res["peer_held_out_families"]["final"] == 0.15
     assert "streamrl_held_out_families" not in compare([pt(0, 0.1), pt(1, 0.2)], [pt(0, 0.1), pt(1, 0.2)])
+
+
+def _race_json(folder, ratio, gap, gap_se=0.03, budget=360.0):
+    folder.mkdir()
+    (folder / "race.json").write_text(json.dumps({
+        "budget_s": budget, "time_to_peer_final_accuracy_ratio": ratio, "final_accuracy_gap": gap,
+        "final_accuracy_gap_stderr": gap_se, "streamrl_ends_above_peer": gap > gap_se, "peer_final_accuracy": 0.12}))
+    return str(folder)
+
+
+def test_summarize_gives_the_median_and_spread_over_pairs(tmp_path, capsys):
+    dirs = [_race_json(tmp_path / "s0", 3.65, 0.168), _race_json(tmp_path / "s1", 2.5, 0.02),
+            _race_json(tmp_path / "s2", None, -0.01)]
+    assert race.main(["--summarize", *dirs, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the pair StreamRL never finished counts as ratio 0: the median is the middle of 0, 2.5, 3.65
+    assert (out["ratio_median"], out["ratio_min"], out["ratio_max"]) == (2.5, 0.0, 3.65)
+    assert out["final_gap_median"] == 0.02 and out["pairs_ending_above"] == 1
+    assert out["pairs_without_ratio"] == [dirs[2]]
+    assert race.main(["--summarize", dirs[0], str(tmp_path / "none")]) == 2
+    assert "no " + str(tmp_path / "none" / "race.json") in capsys.readouterr().err
+    other = _race_json(tmp_path / "s3", 3.0, 0.1, budget=240.0)
+    assert race.main(["--summarize", dirs[0], other]) == 2
+    assert "different budgets" in capsys.readouterr().err

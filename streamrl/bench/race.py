@@ -15,6 +15,7 @@ a side that does not fit one call) and a combine step, or both at once::
     streamrl-bench race --config configs/gpu-reasoning.yaml --side streamrl --out runs/race --budget-s 360
     streamrl-bench race --config configs/gpu-reasoning.yaml --side peer --out runs/race --budget-s 360
     streamrl-bench race --combine runs/race --json
+    streamrl-bench race --summarize runs/race-s0 runs/race-s1 runs/race-s2 --json   # median of pairs
     streamrl-bench race --config configs/race-tiny.yaml --budget-s 60 --device cpu --json   # both sides
 
 Training writes ``OUT/<side>-exports.json`` (the exports and their times), scoring
@@ -35,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from streamrl.bench.race_curve import FolderScorer, check_same_setup, compare, plot
+from streamrl.bench.race_curve import FolderScorer, check_same_setup, compare, plot, summarize
 from streamrl.bench.race_streamrl import run_streamrl_side
 from streamrl.config import load_config
 
@@ -59,6 +60,8 @@ def parse_args(argv):
                         "runs them as two)")
     p.add_argument("--combine", metavar="DIR", default=None,
                    help="instead of training: combine DIR/streamrl.json and DIR/peer.json into DIR/race.json")
+    p.add_argument("--summarize", metavar="DIR", nargs="+", default=None,
+                   help="instead of training: the median and spread over pairs, each DIR holding one pair's race.json")
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="config overrides for both sides, e.g. learner.lr=1e-6")
     return p.parse_args(argv)
@@ -174,8 +177,34 @@ def _print(result: dict) -> None:
           f"final gap {result['final_accuracy_gap']:+.3f} (stderr {result['final_accuracy_gap_stderr']:.3f})")
 
 
+def _summarize(dirs: list[str], as_json: bool) -> int:
+    try:
+        races = {}
+        for d in dirs:
+            path = Path(d) / "race.json"
+            if not path.is_file():
+                raise ValueError(f"--summarize: no {path} (run --combine {d} first)")
+            races[d] = json.loads(path.read_text())
+        summary = summarize(races)
+    except ValueError as e:
+        print(f"streamrl-bench race: {e}", file=sys.stderr)
+        return 2
+    for name, p in summary["pairs"].items():
+        ratio = "-" if p["ratio"] is None else f"{p['ratio']:.2f}"
+        print(f"{name}: ratio {ratio}  final gap {p['final_gap']:+.3f} (stderr {p['final_gap_stderr']:.3f})")
+    print(f"median of {len(races)} pairs: ratio {summary['ratio_median']:.2f} ({summary['ratio_min']:.2f}-"
+          f"{summary['ratio_max']:.2f}), final gap {summary['final_gap_median']:+.3f} ({summary['final_gap_min']:+.3f}"
+          f" to {summary['final_gap_max']:+.3f}); {summary['pairs_ending_above']} of {len(races)} end above by more "
+          f"than their stderr")
+    if as_json:
+        print(json.dumps(summary))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.summarize:
+        return _summarize(args.summarize, args.json)
     try:
         if args.combine:
             result = combine(Path(args.combine))

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import statistics
 from pathlib import Path
 
 import torch
@@ -161,6 +162,29 @@ def compare(streamrl: list[dict], peer: list[dict]) -> dict:
             "time_to_peer_final_accuracy_ratio": ratio, "streamrl_reached_peer_final": ours_t is not None,
             "peer_improved": improved, "final_accuracy_gap": final_gap, "final_accuracy_gap_stderr": gap_se,
             "streamrl_ends_above_peer": final_gap > gap_se}
+
+
+def summarize(races: dict[str, dict]) -> dict:
+    """The figures over several pairs (``{name: race.json's dict}``, one seed each): per pair its
+    ratio, final gap, the gap's stderr and whether StreamRL ends above the peer by more than it;
+    then the median and spread (min, max) of the ratio and of the gap. A pair without a ratio
+    (StreamRL never reached the peer's final accuracy, or the peer learned nothing) counts as
+    ratio 0 in the median: the pessimistic reading, said in ``pairs_without_ratio``."""
+    if not races:
+        raise ValueError("no pairs to summarize")
+    budgets = {name: r["budget_s"] for name, r in races.items()}
+    if len(set(budgets.values())) > 1:
+        raise ValueError(f"the pairs ran different budgets: {budgets}")
+    pairs = {name: {"ratio": r["time_to_peer_final_accuracy_ratio"], "final_gap": r["final_accuracy_gap"],
+                    "final_gap_stderr": r["final_accuracy_gap_stderr"], "ends_above": r["streamrl_ends_above_peer"],
+                    "peer_final_accuracy": r["peer_final_accuracy"]} for name, r in races.items()}
+    ratios = [p["ratio"] if p["ratio"] is not None else 0.0 for p in pairs.values()]
+    gaps = [p["final_gap"] for p in pairs.values()]
+    return {"pairs": pairs, "budget_s": next(iter(budgets.values())),
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "final_gap_median": statistics.median(gaps), "final_gap_min": min(gaps), "final_gap_max": max(gaps),
+            "pairs_ending_above": sum(p["ends_above"] for p in pairs.values()),
+            "pairs_without_ratio": [name for name, p in pairs.items() if p["ratio"] is None]}
 
 
 def family_gain(curve: list[dict]) -> dict | None:

@@ -7,6 +7,7 @@
 # A side whose training and scoring do not fit one call (TRL's, at 1,024 tokens) runs as two back-to-back
 # calls on the warm machine (its exports wait in /tmp/race):  PHASE=train ...  then  PHASE=score ...
 #   streamrl-bench race --combine DIR --json             # DIR holds both: race.json, race.png
+#   streamrl-bench race --summarize DIR1 DIR2 DIR3       # the pairs' median and spread (one seed per pair)
 # What the device lacks travels in folders excluded from git, at most 64 MiB a call, so staging
 # takes three calls (this script looks in the folder and in /tmp/stage, where earlier calls left it):
 #   .smolA/.smolB: the two halves of the SmolLM2 GGUF (see tools/gpu/smol_stage.sh);
