@@ -177,35 +177,37 @@ def _print(result: dict) -> None:
           f"final gap {result['final_accuracy_gap']:+.3f} (stderr {result['final_accuracy_gap_stderr']:.3f})")
 
 
-def _summarize(dirs: list[str], as_json: bool) -> int:
-    try:
-        races = {}
-        for d in dirs:
-            path = Path(d) / "race.json"
-            if not path.is_file():
-                raise ValueError(f"--summarize: no {path} (run --combine {d} first)")
-            races[d] = json.loads(path.read_text())
-        summary = summarize(races)
-    except ValueError as e:
-        print(f"streamrl-bench race: {e}", file=sys.stderr)
-        return 2
+def read_pairs(dirs: list[str]) -> dict[str, dict]:
+    """``{DIR: DIR/race.json}`` for ``--summarize``."""
+    races = {}
+    for d in dirs:
+        path = Path(d) / "race.json"
+        if not path.is_file():
+            raise ValueError(f"--summarize: no {path} (run --combine {d} first)")
+        races[d] = json.loads(path.read_text())
+    return races
+
+
+def _print_summary(summary: dict) -> None:
     for name, p in summary["pairs"].items():
         ratio = "-" if p["ratio"] is None else f"{p['ratio']:.2f}"
         print(f"{name}: ratio {ratio}  final gap {p['final_gap']:+.3f} (stderr {p['final_gap_stderr']:.3f})")
-    print(f"median of {len(races)} pairs: ratio {summary['ratio_median']:.2f} ({summary['ratio_min']:.2f}-"
+    n = len(summary["pairs"])
+    print(f"median of {n} pairs: ratio {summary['ratio_median']:.2f} ({summary['ratio_min']:.2f}-"
           f"{summary['ratio_max']:.2f}), final gap {summary['final_gap_median']:+.3f} ({summary['final_gap_min']:+.3f}"
-          f" to {summary['final_gap_max']:+.3f}); {summary['pairs_ending_above']} of {len(races)} end above by more "
+          f" to {summary['final_gap_max']:+.3f}); {summary['pairs_ending_above']} of {n} end above by more "
           f"than their stderr")
-    if as_json:
-        print(json.dumps(summary))
-    return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.summarize:
-        return _summarize(args.summarize, args.json)
     try:
+        if args.summarize:
+            summary = summarize(read_pairs(args.summarize))
+            _print_summary(summary)
+            if args.json:
+                print(json.dumps(summary))
+            return 0
         if args.combine:
             result = combine(Path(args.combine))
         else:
