@@ -8,22 +8,28 @@ kernels per layer that each take a few microseconds on rows of this size, while 
 the layer must read take ~6 us at the H200's bandwidth.
 
 At decode batch sizes it is cheaper to skip the bookkeeping: one GEMM ``[B, H] x [H, E*2I]``
-(all experts' gate/up projections, the parameter viewed flat, no copy), the gate, one batched
-GEMM ``[E, B, I] x [E, I, H]`` for the down projections, and one reduction over experts that
-applies the routing weights (zero for the experts a token was not routed to). It computes
-``E / k`` times the FLOPs, which is cheap while ``B`` is small: at ``B = 256`` a layer of
-``moe-1b`` is 19 GFLOP (~30 us on an H200) and reads the same weights as the sparse path
-(at this batch every expert is hit anyway). Above :data:`DENSE_MAX_TOKENS` tokens (prefills)
-and on shapes it does not cover (transposed or biased expert weights, expert parallelism),
-it hands over to HF's sparse implementation.
+(all experts' gate/up projections, the parameter viewed flat, no copy), the gate, the routing
+weights applied to the activations (zero for the experts a token was not routed to), and one GEMM
+``[B, E*I] x [E*I, H]`` for all the down projections, which sums over the experts in its own
+fp32 accumulator. That last GEMM needs ``down_proj [E, H, I]`` stored expert-minor, ``[H, E, I]``
+in memory: :func:`lay_out_for_dense_decode` moves the engine's copy there once (same shape, same
+values, no extra memory; the sparse path reads it through strides). Without it, a batched GEMM's
+``[E, B, H]`` output and the reduction over ``E`` wrote and read ~1.6 GB a step on ``moe-1b``,
+as much as all its expert weights. Dense computes ``E / k`` times the FLOPs, which is cheap while
+``B`` is small: at ``B = 256`` a layer of ``moe-1b`` is 19 GFLOP (~30 us on an H200) and reads
+the same weights as the sparse path (at this batch every expert is hit anyway). Above
+:data:`DENSE_MAX_TOKENS` tokens (prefills) and on shapes it does not cover (transposed or biased
+expert weights, expert parallelism, a ``down_proj`` not laid out for it), it hands over to HF's
+sparse implementation.
 
 On CPU the op count matters as much (each op costs microseconds of dispatch), but FLOPs are
 scarce: a call runs dense only while the FLOPs it adds over the sparse path stay under
 :data:`DENSE_CPU_MAX_EXTRA_FLOP` (small MoEs such as the tiny test model; a SmolLM2-sized one goes
 sparse).
 
-The result is the sparse one up to float rounding: the same products, the same fp32 sum of the
-``k`` weighted expert outputs (the other ``E - k`` terms are exact zeros).
+The result is the sparse one up to float rounding: the same products, each routed activation
+scaled by its weight and rounded once to the compute dtype, and the ``k`` routed terms summed in
+fp32 (the other ``E - k`` terms are exact zeros).
 """
 from __future__ import annotations
 
@@ -58,16 +64,38 @@ def _sparse(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_
     return sparse(module, hidden_states, top_k_index, top_k_weights)
 
 
+def lay_out_for_dense_decode(model: torch.nn.Module) -> int:
+    """Store every experts module's ``down_proj [E, H, I]`` expert-minor (``[H, E, I]`` in memory), in place.
+
+    The parameter keeps its identity, shape and values (``.data`` swapped for a permuted view), so
+    loads into it (``copy_``) and HF's sparse experts work unchanged. Returns how many were moved.
+    """
+    moved = 0
+    with torch.no_grad():
+        for module in model.modules():
+            down = getattr(module, "down_proj", None)
+            if (isinstance(down, torch.nn.Parameter) and down.dim() == 3 and hasattr(module, "num_experts")
+                    and not getattr(module, "is_transposed", False) and not _expert_minor(down)):
+                down.data = down.data.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+                moved += 1
+    return moved
+
+
+def _expert_minor(down: torch.Tensor) -> bool:
+    """``down [E, H, I]`` is a view of contiguous ``[H, E, I]`` storage (``down.permute(1, 0, 2)`` is contiguous)."""
+    return down.permute(1, 0, 2).is_contiguous()
+
+
 def dense_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """``hidden_states [T, H]``, ``top_k_index [T, k]`` (int), ``top_k_weights [T, k]`` -> ``[T, H]``.
 
     ``module`` is a transformers experts module (``gate_up_proj [E, 2I, H]`` or ``up_proj [E, I, H]``,
-    ``down_proj [E, H, I]``).
+    ``down_proj [E, H, I]`` laid out by :func:`lay_out_for_dense_decode`).
     """
     t, h = hidden_states.shape
     if (t > DENSE_MAX_TOKENS or getattr(module, "is_transposed", False) or getattr(module, "has_bias", False)
-            or getattr(module, "_is_expert_parallel", False)):
+            or getattr(module, "_is_expert_parallel", False) or not _expert_minor(module.down_proj)):
         return _sparse(module, hidden_states, top_k_index, top_k_weights)
     e = module.num_experts
     if hidden_states.device.type == "cpu":
@@ -78,12 +106,12 @@ def dense_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torc
     up_w = module.gate_up_proj if gated else module.up_proj  # [E, O, H], O = 2I (gated) or I
     up = torch.nn.functional.linear(hidden_states, up_w.reshape(-1, h)).view(t, e, -1)  # [T, E, O]
     act = module._apply_gate(up) if gated else module.act_fn(up)  # [T, E, I]
-    down = torch.bmm(act.transpose(0, 1), module.down_proj.transpose(1, 2))  # [E, T, H]
     # routing weights scattered over the experts: [T, E], zero where a token was not routed
     route = torch.zeros(t, e, dtype=top_k_weights.dtype, device=hidden_states.device)
     route.scatter_(1, top_k_index, top_k_weights)
-    out = (down * route.t()[:, :, None]).sum(dim=0, dtype=torch.float32)  # [T, H]
-    return out.to(hidden_states.dtype)
+    routed = (act * route[:, :, None]).to(act.dtype).reshape(t, -1)  # [T, E*I]
+    # [H, E*I]: the expert-minor storage viewed flat; the GEMM's accumulator sums over the experts
+    return torch.nn.functional.linear(routed, module.down_proj.permute(1, 0, 2).reshape(h, -1))  # [T, H]
 
 
 ALL_EXPERTS_FUNCTIONS.register(DENSE, dense_experts_forward)

@@ -40,8 +40,9 @@ with its own loop:
   preallocated ``[B, S, L, k]`` buffer at each row's position (device ops only, so it is
   captured with the step).
 * MoE experts on CUDA (bf16/fp16): a decode step runs every expert on every row, weighted by the routing
-  (:mod:`streamrl.engines.dense_experts`: three GEMM-shaped kernels instead of the sort/gather/
-  scatter bookkeeping of HF's ``grouped_mm``, which still serves the prefills).
+  (:mod:`streamrl.engines.dense_experts`: two GEMMs, the down projections' over the engine's
+  expert-minor copy of ``down_proj``, instead of the sort/gather/scatter bookkeeping of HF's
+  ``grouped_mm``, which still serves the prefills).
 * **In-flight updates**: ``generate(..., between_steps=cb)`` calls ``cb`` before the first
   prefill and before every decode step; an update it returns is copied into the parameters in
   place (graphs stay valid) and stamps every later token; KV already in the cache is kept.
@@ -65,7 +66,7 @@ import torch
 from streamrl.engines.adapter_merge import EngineWeights
 from streamrl.engines.base import BetweenSteps, Generation, teacher_forced_logprobs
 from streamrl.engines.decode_loop import DecodeLoop, OnFinished
-from streamrl.engines.dense_experts import DENSE
+from streamrl.engines.dense_experts import DENSE, lay_out_for_dense_decode
 from streamrl.engines.hf_fast_config import FLEX_MIN_LEN, FastHFConfig
 from streamrl.engines.host_io import to_device
 from streamrl.engines.kv_sessions import KeptSessions
@@ -132,12 +133,14 @@ class FastHFEngine:
         self._compiled = False
         self._compiled_layers: list = []
         self._finish_fn = self._finish
-        self._params = dict(model.named_parameters())
-        self._weights = EngineWeights(self._params, lora_base)
         dtype = next(model.parameters()).dtype
         self.experts_impl = config.experts_implementation
         if self.experts_impl == "auto":
             self.experts_impl = "batched_mm" if (self.device.type == "cuda" and dtype == torch.float32) else DENSE
+        if self.experts_impl == DENSE:
+            lay_out_for_dense_decode(self.model)  # one GEMM for all down projections (values unchanged)
+        self._params = dict(model.named_parameters())
+        self._weights = EngineWeights(self._params, lora_base)
         self._build_cache(mc, dtype)
         self.preemptions = 0  # paged: sequences restarted because the pool ran out
         self.decode_steps = 0  # decode steps taken (all generate calls)
