@@ -135,3 +135,26 @@ def test_engine_with_dense_experts_decodes_what_the_sparse_engine_decodes():
         eng.prefill([0, 1, 2], prompts[:3], True)
         explained = torch._dynamo.explain(eng._decode)(32, True)
     assert explained.graph_count == 1 and explained.graph_break_count == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_dense_and_grouped_mm_over_the_expert_minor_layout():
+    """On CUDA in bf16 (the dense path's home; ``moe-1b``'s expert shape, a decode batch of 256): the dense
+    path is no further from the fp32 result than HF's grouped_mm, and grouped_mm (the prefills) reads the
+    expert-minor ``down_proj`` through its strides as it read the contiguous one."""
+    cfg = Qwen3MoeConfig(hidden_size=1024, moe_intermediate_size=192, num_experts=64, num_experts_per_tok=8,
+                         norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(cfg).to("cuda", torch.bfloat16)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    _, weights, ids = block.gate(x)
+    contiguous = grouped_mm_experts_forward(block.experts, x, ids, weights)
+    assert lay_out_for_dense_decode(block) == 1
+    torch.testing.assert_close(grouped_mm_experts_forward(block.experts, x, ids, weights), contiguous)
+    got = dense_experts_forward(block.experts, x, ids, weights)
+    exact = grouped_mm_experts_forward(block.float().experts, x.float(), ids, weights.float())
+    dense_err, sparse_err = (got.float() - exact).abs().max(), (contiguous.float() - exact).abs().max()
+    assert dense_err <= 1.5 * sparse_err, (dense_err, sparse_err)
