@@ -15,12 +15,13 @@ fp32 accumulator. That last GEMM needs ``down_proj [E, H, I]`` stored expert-min
 in memory: :func:`lay_out_for_dense_decode` moves the engine's copy there once (same shape, same
 values, no extra memory; the sparse path reads it through strides). Without it, a batched GEMM
 wrote ``[E, B, H]`` per-expert outputs and a reduction over ``E`` read them back: on ``moe-1b`` at
-``B = 256``, 32 MiB a layer each way, ~1.6 GB a step, as much traffic as all its expert weights. Dense computes ``E / k`` times the FLOPs, which is cheap while
-``B`` is small: at ``B = 256`` a layer of ``moe-1b`` is 19 GFLOP (~30 us on an H200) and reads
-the same weights as the sparse path (at this batch every expert is hit anyway). Above
-:data:`DENSE_MAX_TOKENS` tokens (prefills) and on shapes it does not cover (transposed or biased
-expert weights, expert parallelism, a ``down_proj`` not laid out for it), it hands over to HF's
-sparse implementation.
+``B = 256``, 32 MiB a layer each way, ~1.6 GB a step, as much traffic as all its expert weights.
+
+Dense computes ``E / k`` times the FLOPs, which is cheap while ``B`` is small: at ``B = 256`` a
+layer of ``moe-1b`` is 19 GFLOP (~30 us on an H200) and reads the same weights as the sparse path
+(at this batch every expert is hit anyway). Above :data:`DENSE_MAX_TOKENS` tokens (prefills) and
+on shapes it does not cover (transposed or biased expert weights, expert parallelism, a
+``down_proj`` not laid out for it), it hands over to HF's sparse implementation.
 
 On CPU the op count matters as much (each op costs microseconds of dispatch), but FLOPs are
 scarce: a call runs dense only while the FLOPs it adds over the sparse path stay under

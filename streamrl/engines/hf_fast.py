@@ -40,9 +40,9 @@ with its own loop:
   preallocated ``[B, S, L, k]`` buffer at each row's position (device ops only, so it is
   captured with the step).
 * MoE experts on CUDA (bf16/fp16): a decode step runs every expert on every row, weighted by the routing
-  (:mod:`streamrl.engines.dense_experts`: two GEMMs, the down projections' over the engine's
-  expert-minor copy of ``down_proj``, instead of the sort/gather/scatter bookkeeping of HF's
-  ``grouped_mm``, which still serves the prefills).
+  (:mod:`streamrl.engines.dense_experts`: two GEMMs, the down projections' over ``down_proj``
+  laid out expert-minor in place at construction, instead of the sort/gather/scatter bookkeeping
+  of HF's ``grouped_mm``, which still serves the prefills).
 * **In-flight updates**: ``generate(..., between_steps=cb)`` calls ``cb`` before the first
   prefill and before every decode step; an update it returns is copied into the parameters in
   place (graphs stay valid) and stamps every later token; KV already in the cache is kept.
