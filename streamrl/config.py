@@ -637,8 +637,8 @@ class CriticConfig:
 class WeightsConfig:
     data_plane: str = "auto"
     """Weights data plane: auto (ipc when the learner and every worker are on CUDA on one host, else shm on the
-    learner's host and zmq for others), shm, zmq, ipc (CUDA IPC of two learner GPU buffers: at most 2 versions'
-    bytes of extra GPU memory), nccl, gloo."""
+    learner's host and zmq for others), shm, zmq, ipc (CUDA IPC of one learner GPU buffer: one version's bytes
+    of extra GPU memory), nccl, gloo."""
     bucket_mb: int = 64
     """Bucket size in MiB: unit of gather, transfer, checksum and re-fetch (peak extra memory)."""
     keep_versions: int = 3

@@ -25,7 +25,9 @@ CUDA (``--pin off``: the pageable path, for comparison).
 With ``--json`` the last line is one JSON object: ``shm_ratio_vs_memcpy``,
 ``zmq_ratio_vs_raw_zmq`` and ``ipc_ratio_vs_d2d`` (largest size, 1 subscriber: baseline time /
 end-to-end time),
-``peak_extra_over_bucket`` (max over rows), and ``rows``.
+``peak_extra_over_bucket`` (max over rows), and ``rows``. Rows of the ipc plane also give the
+publisher's GPU memory: ``gpu_store_mb`` (its device buffer, kept between versions) and
+``gpu_publish_peak_mb`` (allocated during a round above what was held before it).
 """
 from __future__ import annotations
 
@@ -262,10 +264,12 @@ def run_plane(plane: str, sizes_mb: list[int], subs: list[int], args, redis_url:
                 warm = KEEP + 1 if n == subs_run[0] else 1
                 best = None
                 for rep in range(args.repeat + warm):
-                    e2e, pt, peak, st = _publish_round(pub, coord, version, specs, shards, n, plane)
+                    e2e, pt, peak, st, gpu_peak = _publish_round(pub, coord, version, specs, shards, n, plane)
                     version += 1
                     if rep >= warm:
                         row = _row(plane, size, n, e2e, pt, peak, st, base, args.bucket_mb * MB)
+                        if gpu_peak is not None:  # ipc: the publisher's GPU memory beside the learner's weights
+                            row.update(gpu_store_mb=pub.store.nbytes / MB, gpu_publish_peak_mb=gpu_peak / MB)
                         best = row if best is None or row["e2e_s"] < best["e2e_s"] else best
                 rows.append(best)
                 _print_row(best)
@@ -292,10 +296,18 @@ def _baselines(plane: str, nbytes: int, args) -> dict:
             "pinned": pinned_copy_s(nbytes, args.device) if args.device.startswith("cuda") else None}
 
 
-def _publish_round(pub, coord, version: int, specs, shards, n: int, plane: str) -> tuple[float, dict, int, list]:
+def _publish_round(pub, coord, version: int, specs, shards, n: int, plane: str
+                   ) -> tuple[float, dict, int, list, int | None]:
     """Publish ``version`` and wait for subscribers 1..n: (end-to-end seconds, publisher
-    timings, peak extra publisher bytes, each subscriber's timings)."""
+    timings, peak extra publisher bytes, each subscriber's timings, and on the ipc plane the
+    peak GPU bytes this process allocated above what it held before the round: the gather's full
+    tensors and anything else the publish allocates, the store's buffer being already there)."""
     workers = list(range(1, n + 1))
+    gpu0 = None
+    if plane == "ipc":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        gpu0 = torch.cuda.memory_allocated()
     sampler = PeakSampler()
     t0 = time.perf_counter()
     pt = pub.publish(version, specs, gather(shards), background=True)  # as the learner publishes
@@ -304,7 +316,8 @@ def _publish_round(pub, coord, version: int, specs, shards, n: int, plane: str) 
         raise TimeoutError(f"{plane}: subscribers did not ack v{version}")
     e2e = time.perf_counter() - t0
     peak = sampler.stop()
-    return e2e, pt, peak, [coord.weight_timings(w) for w in workers]
+    gpu_peak = None if gpu0 is None else torch.cuda.max_memory_allocated() - gpu0
+    return e2e, pt, peak, [coord.weight_timings(w) for w in workers], gpu_peak
 
 
 def _row(plane: str, size: int, n: int, e2e: float, pt: dict, peak: int, st: list[dict], base: dict,
@@ -342,6 +355,8 @@ def _mem_estimate(plane: str, nbytes: int, n: int) -> int:
 def _print_row(r: dict) -> None:
     extra = f" raw_zmq {r['raw_zmq_gbps']:.2f} GB/s ratio {r['ratio_vs_raw_zmq']:.2f}" if "raw_zmq_gbps" in r else ""
     extra += f" d2d {r['d2d_gbps']:.2f} GB/s ratio {r['ratio_vs_d2d']:.2f}" if "d2d_gbps" in r else ""
+    if "gpu_store_mb" in r:
+        extra += f" | GPU store {r['gpu_store_mb']:.0f} MB, publish peak +{r['gpu_publish_peak_mb']:.0f} MB"
     print(f"{r['plane']:>4} {r['size_mb']:>6} MB x{r['subscribers']}: {r['e2e_s']:.3f} s {r['gbps']:.2f} GB/s | "
           f"publish {r['publish_s']:.3f} (gather {r['gather_s']:.3f} write {r['write_s']:.3f}) "
           f"transfer {r['transfer_s']:.3f} verify {r['verify_s']:.3f} load {r['load_s']:.3f} | peak +{r['peak_extra_mb']:.0f} MB | "

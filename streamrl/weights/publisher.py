@@ -30,8 +30,8 @@ Data planes (``plane``):
   ``auto`` and ``shm`` also run the server, so any subscriber can pick by host.
 * ``nccl`` / ``gloo``: broadcast of bucket buffers in a fixed group of the publisher and
   ``collective_world - 1`` subscribers (:mod:`streamrl.weights.collective`).
-* ``ipc``: two device buffers shared with CUDA IPC; subscribers on GPUs of this host copy
-  device to device (:mod:`streamrl.weights.ipc`; at most 2 versions' bytes of extra GPU memory).
+* ``ipc``: one device buffer shared with CUDA IPC; subscribers on GPUs of this host copy
+  device to device (:mod:`streamrl.weights.ipc`; one version's bytes of extra GPU memory).
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ class WeightPublisher:
         self._digests_host: torch.Tensor | None = None  # ipc: pinned int64 [buckets], the bucket sums read back
         if plane in COLLECTIVE_PLANES:
             self.collective = CollectiveSender(coord, plane, collective_world, bind_host, advertise_host, device)
-        elif plane == "ipc":  # the store is two device buffers, no server: subscribers map them
+        elif plane == "ipc":  # the store is a device buffer, no server: subscribers map it
             self.store = DeviceStore(run, device)
         else:
             self.store = ShmStore(run, keep=keep, max_retained=max_retained)
