@@ -637,8 +637,8 @@ class CriticConfig:
 class WeightsConfig:
     data_plane: str = "auto"
     """Weights data plane: auto (ipc when the learner and every worker are on CUDA on one host, else shm on the
-    learner's host and zmq for others), shm, zmq, ipc (CUDA IPC of one learner GPU buffer: one version's bytes
-    of extra GPU memory), nccl, gloo."""
+    learner's host and zmq for others), shm, zmq, ipc (CUDA IPC of learner GPU buffers: ipc_buffers versions'
+    bytes of extra GPU memory), nccl, gloo."""
     bucket_mb: int = 64
     """Bucket size in MiB: unit of gather, transfer, checksum and re-fetch (peak extra memory)."""
     keep_versions: int = 3
@@ -653,6 +653,10 @@ class WeightsConfig:
     """nccl/gloo planes: publisher + subscribers in the fixed broadcast group."""
     verify_threads: int = 1
     """Torch intra-op threads a subscriber uses for bucket checksums (restored after each fetch)."""
+    ipc_buffers: int = 1
+    """ipc: learner GPU buffers a version is written into (extra GPU memory: this many versions). With 1 the next
+    version waits while a worker still copies the last one out (its read lease: the copy and the GPU work queued
+    before it, tens of ms); 2 lets a learner that publishes faster than that write into the other buffer."""
 
     def validate(self, p: str) -> None:
         _check(self.data_plane in ("auto", "shm", "zmq", "ipc", "nccl", "gloo"), f"{p}.data_plane", self.data_plane,
@@ -665,6 +669,7 @@ class WeightsConfig:
         _check(self.data_plane not in ("nccl", "gloo") or self.collective_world >= 2, f"{p}.collective_world",
                self.collective_world, "must be >= 2 for the nccl/gloo planes")
         _check(self.verify_threads >= 1, f"{p}.verify_threads", self.verify_threads, "must be >= 1")
+        _check(self.ipc_buffers in (1, 2), f"{p}.ipc_buffers", self.ipc_buffers, "must be 1 or 2")
 
 
 ENV_BUILTINS = ("none", "calculator", "python")

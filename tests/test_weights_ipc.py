@@ -227,6 +227,31 @@ def test_claim_waits_while_a_reader_leases_the_buffers_version(tmp_path, caplog)
     slots.close()
 
 
+def test_two_slots_alternate_and_reuse_the_oldest_unleased_version(tmp_path):
+    slots = VersionSlots("r", n=2, directory=tmp_path)
+    assert [slots.claim(v) for v in (0, 1, 2)] == [0, 1, 0]
+    assert slots.take_retired() == [0] and not slots.path(0).exists() and slots.path(2).exists()
+    slots.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_with_two_slots_a_leased_version_keeps_its_slot_until_the_lease_ends(tmp_path):
+    """The reader leases v0; v1, v2, v3 all go to the other slot; v0's slot is reused only after."""
+    slots = VersionSlots("r", n=2, directory=tmp_path)
+    slots.claim(0)
+    fd, _ = lease.acquire_read(slots.path(0))
+    assert [slots.claim(v) for v in (1, 2, 3)] == [1, 1, 1]
+    assert slots.held == [0, 3] and slots.retained == {0} and slots.take_retired() == [1, 2]
+    os.close(fd)
+    assert slots.claim(4) == 0 and slots.take_retired() == [0] and not slots.retained
+
+
+@pytest.mark.parametrize("value", [0, 3])
+def test_ipc_buffers_is_one_or_two(value):
+    with pytest.raises(ConfigError, match=f"'weights.ipc_buffers' = {value}: must be 1 or 2"):
+        load_config(None, [f"weights.ipc_buffers={value}"])
+
+
 def test_a_stale_lease_file_of_an_earlier_incarnation_is_replaced(tmp_path):
     old = VersionSlots("r", directory=tmp_path)
     old.claim(5)
@@ -297,11 +322,12 @@ def child():
     c.proc.wait(timeout=30)
 
 
-@pytest.fixture
-def ipc(child, redis_url, run_id):
-    """``(publisher, coordinator, child)`` on a fresh run; the child subscribes to it."""
+@pytest.fixture(params=[1], ids=lambda n: f"{n}buf")
+def ipc(request, child, redis_url, run_id):
+    """``(publisher, coordinator, child)`` on a fresh run; the child subscribes to it. The publisher
+    has one device buffer (the default) unless the test parametrizes ``ipc`` indirectly."""
     coord = Coordinator(redis_url, run_id)
-    pub = WeightPublisher(coord, run_id, plane="ipc", bucket_bytes=8192, target=TARGET)
+    pub = WeightPublisher(coord, run_id, plane="ipc", bucket_bytes=8192, target=TARGET, ipc_buffers=request.param)
     child.ask("run", redis=redis_url, run=run_id)
     yield pub, coord, child
     pub.close()
@@ -433,6 +459,25 @@ def test_a_version_is_never_torn_while_the_worker_holds_it(ipc):
     th.join(10)
     assert not th.is_alive() and sorted(pub.store.files) == [1] and pub.store.files[1].buf is v0_buf
     assert child.ask("load", v=1)["digests"] == expected(101)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ipc", [2], indirect=True, ids=["2buf"])
+def test_with_two_buffers_the_learner_publishes_while_the_worker_holds_a_version(ipc):
+    """``weights.ipc_buffers: 2``: the worker holds v0's views while v1, v2 and v3 are published
+    without waiting: they all go to the other buffer, and v0's bytes stay what the worker verified."""
+    pub, coord, child = ipc
+    publish(pub, 0)
+    before = slot_digest(pub, 0)
+    assert child.ask("hold", v=0)["zero_copy"]
+    for v in (1, 2, 3):
+        publish(pub, v)
+    assert sorted(pub.store.files) == [0, 3] and pub.store.retained == {0}
+    assert slot_digest(pub, 0) == before
+    assert child.ask("check")["digests"] == expected(100)
+    child.ask("release")
+    assert child.ask("load", v=3)["digests"] == expected(103)
 
 
 @pytest.mark.gpu

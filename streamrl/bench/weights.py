@@ -238,7 +238,7 @@ def run_plane(plane: str, sizes_mb: list[int], subs: list[int], args, redis_url:
     active_key = coord.keys._k("bench", "active")
     coord.r.set(active_key, 0)
     pub = WeightPublisher(coord, run, plane="ipc" if plane == "ipc" else "auto", bucket_bytes=args.bucket_mb * MB,
-                          keep=KEEP, checksum=args.checksum, pin_store=args.pin == "on")
+                          keep=KEEP, checksum=args.checksum, pin_store=args.pin == "on", ipc_buffers=args.ipc_buffers)
     procs = [subprocess.Popen([sys.executable, "-m", "streamrl.bench.weights", "--subscriber",
                                "--redis-url", redis_url, "--run", run, "--worker-id", str(w),
                                # ipc subscribers follow the manifest's plane
@@ -370,6 +370,7 @@ def parse_args(argv):
     p.add_argument("--subscribers", default="1,2,4", help="subscriber counts, comma-separated (1-4)")
     p.add_argument("--planes", default="shm,zmq", help="data planes to measure: shm, zmq, ipc (--device cuda)")
     p.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MB")
+    p.add_argument("--ipc-buffers", type=int, default=1, choices=(1, 2), help="ipc: the learner's device buffers")
     p.add_argument("--tensor-mb", type=int, default=16, help="size of each model tensor in MB")
     p.add_argument("--checksum", default="sum64", choices=["sum64", "crc32"])
     p.add_argument("--streams", type=int, default=2, help="ZeroMQ streams per subscriber")

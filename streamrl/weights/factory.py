@@ -41,7 +41,8 @@ def make_publisher(coord: Coordinator, run: str, cfg=None, bind_host: str = "127
         log.info("weights.data_plane = auto: shm on this host, zmq for others, not ipc (%s)", why)
     return WeightPublisher(coord, run, plane=plane, bucket_bytes=w.bucket_mb << 20, keep=w.keep_versions,
                            checksum=w.checksum, target=w.target, bind_host=bind_host,
-                           advertise_host=advertise_host, collective_world=w.collective_world, device=device)
+                           advertise_host=advertise_host, collective_world=w.collective_world, device=device,
+                           ipc_buffers=w.ipc_buffers)
 
 
 def make_subscriber(coord: Coordinator, cfg=None, worker_id: int | None = None,

@@ -9,21 +9,22 @@ handle as plain fields; a subscriber validates every field (:func:`parse_record`
 bucket's sum64 on its GPU and hands the engine views of the buffer, which the engine copies
 device to device into its weights. Nothing is pickled and no byte crosses the host.
 
-One device buffer (:class:`DeviceStore`): the publisher owns one buffer sized for a version, so its
-extra GPU memory is one version's bytes (the largest version's, when versions change size). The
-double buffer is that buffer and the worker's own weights: a worker decodes with its weights while
-the next version lands in the publisher's buffer, and copies a version out device to device when it
-loads it (538 MB in ~0.4 ms), holding its read lease for that copy only. Version v+1 takes
-the buffer once no reader leases v, so the publisher waits at most for a copy in progress; a reader
-that comes after v was retired finds it gone and loads v+1 once it is announced. A second buffer
-would cost another version of GPU memory and only serve a reader that keeps a version's views
-beyond one copy, which no engine does.
+Buffers (:class:`DeviceStore`, ``weights.ipc_buffers``): by default the publisher owns one buffer
+sized for a version, so its extra GPU memory is one version's bytes (the largest version's, when
+versions change size). The double buffer is that buffer and the worker's own weights: a worker
+decodes with its weights while the next version lands in the publisher's buffer, and copies a
+version out device to device when it loads it, holding its read lease until that copy is done
+(its process synchronizes its GPU first: the copy and the decode steps queued before it, tens of
+ms). Version v+1 takes the buffer once no reader leases v, so a learner that publishes faster than
+a worker's poll and copy waits for it; a second buffer lets such a learner write v+1 while v is
+read, for one more version of GPU memory. A reader that comes after v was retired finds it gone
+and loads the next version once it is announced.
 
 Leases (:class:`VersionSlots`) are the shared-memory store's (:mod:`streamrl.weights.lease`),
 taken on an empty file per version under /dev/shm: a subscriber takes a shared ``flock`` on
 version v's file before it touches v's slot; the publisher reuses a slot only under an exclusive
 lock and unlinks v's file before letting go. So a reader either holds v's bytes, unchanged, for
-as long as its lease lives, or finds v gone. While the buffer's version is leased the publisher waits
+as long as its lease lives, or finds v gone. While every buffer's version is leased the publisher waits
 (at most ``LEASE_WAIT_S``: a reader holds a lease for one device-to-device copy, a dead reader's lease
 ends with its process, and the launcher restarts a frozen one after ``deadlines.stuck_s``).
 
@@ -51,8 +52,7 @@ from streamrl.weights.store import shm_dir
 
 log = logging.getLogger(__name__)
 
-LEASE_WAIT_S = 300.0  # the publisher's wait for its buffer while a reader leases the version in it
-BUFFERS = 1  # device buffers of the ipc store (the module docstring says why one)
+LEASE_WAIT_S = 300.0  # the publisher's wait for a buffer while readers lease the versions in them
 REF_COUNTER_SLOTS = 10000  # int64 counters in one torch ref-counter file (CUDA_IPC_REF_COUNTER_FILE_SIZE)
 MAX_HANDLE_BYTES = 1 << 20  # a cudaMalloc handle is 66 bytes; an expandable segment's lists its pages
 _SHM_NAME = re.compile(rb"/[A-Za-z0-9_.\-]{1,250}")
@@ -124,7 +124,7 @@ def parse_record(rec, total: int) -> dict:
 class VersionSlots:
     """Which version lives in which of ``n`` slots (buffers), each version guarded by its lease file."""
 
-    def __init__(self, run: str, n: int = BUFFERS, directory: Path | None = None, wait_s: float = LEASE_WAIT_S):
+    def __init__(self, run: str, n: int = 1, directory: Path | None = None, wait_s: float = LEASE_WAIT_S):
         self.run, self.dir, self.wait_s = run, directory or shm_dir(), wait_s
         self.held: list[int | None] = [None] * n  # slot -> version
         self.retained: set[int] = set()  # versions due for reuse but leased at the last claim
@@ -224,22 +224,22 @@ class DeviceSlot:
 
 
 class DeviceStore:
-    """Publisher side: the newest version in a :class:`DeviceSlot` on ``device`` (``BUFFERS`` of them).
+    """Publisher side: the newest versions in ``buffers`` :class:`DeviceSlot` s on ``device``.
 
     The surface :class:`~streamrl.weights.publisher.WeightPublisher` uses of a store:
     ``create``, ``files`` (version -> slot), ``retained``, ``gc`` and ``close``. Extra GPU memory:
-    one buffer as large as the largest version put into it.
+    ``buffers`` buffers, each as large as the largest version put into it.
     """
 
     def __init__(self, run: str, device: str | None = None, wait_s: float = LEASE_WAIT_S,
-                 directory: Path | None = None):
+                 directory: Path | None = None, buffers: int = 1):
         if not torch.cuda.is_available():
             raise ValueError("weights data_plane 'ipc' needs a CUDA device (torch.cuda.is_available() is False)")
         self.device = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
         if self.device.type != "cuda":
             raise ValueError(f"weights data_plane 'ipc' needs a CUDA device, not {device!r}")
-        self.slots = VersionSlots(run, BUFFERS, directory, wait_s)
-        self._bufs: list[DeviceSlot | None] = [None] * BUFFERS
+        self.slots = VersionSlots(run, buffers, directory, wait_s)
+        self._bufs: list[DeviceSlot | None] = [None] * buffers
         self.files: dict[int, DeviceSlot] = {}
 
     @property
@@ -253,7 +253,7 @@ class DeviceStore:
         return sum(s.buf.numel() for s in self._bufs if s is not None)
 
     def create(self, version: int, total: int) -> DeviceSlot:
-        """The slot ``version``'s ``total`` bytes go to (waits while a reader leases its version)."""
+        """The slot ``version``'s ``total`` bytes go to (waits while readers lease every slot's version)."""
         k = self.slots.claim(version)
         slot = self._bufs[k]
         self.files = {v: s for v, s in self.files.items() if s is not slot}  # the version it held is retired
@@ -271,7 +271,7 @@ class DeviceStore:
     def close(self) -> None:
         self.slots.close()
         self.files.clear()
-        self._bufs = [None] * BUFFERS
+        self._bufs = [None] * len(self._bufs)
 
 
 def copy_bucket(region: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]],
@@ -297,10 +297,9 @@ def copy_bucket(region: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Ten
 # -- subscriber ------------------------------------------------------------------------------------
 class DeviceReader:
     """Subscriber side: opens versions whose manifest plane is ``ipc``. Each publisher buffer is
-    opened once and kept (the ``capacity`` most recently used: a publisher has ``BUFFERS``; one it
-    replaced by a larger one stays mapped only while views of it live)."""
+    opened once and kept (the ``capacity`` most recently used: a publisher has one or two)."""
 
-    def __init__(self, capacity: int = BUFFERS):
+    def __init__(self, capacity: int = 2):
         self.capacity = capacity
         self._bases: dict[tuple[bytes, int], torch.Tensor] = {}  # (handle, offset) -> uint8 [size] on a GPU
 

@@ -30,8 +30,8 @@ Data planes (``plane``):
   ``auto`` and ``shm`` also run the server, so any subscriber can pick by host.
 * ``nccl`` / ``gloo``: broadcast of bucket buffers in a fixed group of the publisher and
   ``collective_world - 1`` subscribers (:mod:`streamrl.weights.collective`).
-* ``ipc``: one device buffer shared with CUDA IPC; subscribers on GPUs of this host copy
-  device to device (:mod:`streamrl.weights.ipc`; one version's bytes of extra GPU memory).
+* ``ipc``: device buffers shared with CUDA IPC; subscribers on GPUs of this host copy device
+  to device (:mod:`streamrl.weights.ipc`; one version's bytes of extra GPU memory per buffer).
 """
 from __future__ import annotations
 
@@ -76,9 +76,10 @@ class WeightPublisher:
     def __init__(self, coord: Coordinator, run: str, plane: str = "auto", bucket_bytes: int = 64 << 20,
                  keep: int = 3, checksum: str = "sum64", target: str = "hf", bind_host: str = "127.0.0.1",
                  advertise_host: str | None = None, collective_world: int = 0, device: str | None = None,
-                 pin_store: bool = True, max_retained: int = 4):
+                 pin_store: bool = True, max_retained: int = 4, ipc_buffers: int = 1):
         """``keep``: versions kept in Redis and the store; ``max_retained``: collected versions
-        whose files are kept beyond that while subscribers still read them (read leases)."""
+        whose files are kept beyond that while subscribers still read them (read leases);
+        ``ipc_buffers``: the ipc plane's device buffers (``weights.ipc_buffers``)."""
         if plane not in PLANES:
             raise ValueError(f"weights data_plane {plane!r} is unknown; choose one of {PLANES}")
         Checksum(checksum)  # validates the algo name
@@ -99,8 +100,8 @@ class WeightPublisher:
         self._digests_host: torch.Tensor | None = None  # ipc: pinned int64 [buckets], the bucket sums read back
         if plane in COLLECTIVE_PLANES:
             self.collective = CollectiveSender(coord, plane, collective_world, bind_host, advertise_host, device)
-        elif plane == "ipc":  # the store is a device buffer, no server: subscribers map it
-            self.store = DeviceStore(run, device)
+        elif plane == "ipc":  # the store is device buffers, no server: subscribers map them
+            self.store = DeviceStore(run, device, buffers=ipc_buffers)
         else:
             self.store = ShmStore(run, keep=keep, max_retained=max_retained)
             self.server = BucketServer(self._lookup, f"tcp://{bind_host}:*", advertise_host)
