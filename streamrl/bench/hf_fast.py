@@ -23,7 +23,7 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from streamrl.engines.hf_fast import FastHFEngine
 from streamrl.engines.hf_fast_config import FastHFConfig
@@ -36,12 +36,16 @@ PRESETS = {
     "moe-1b": dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                    num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
                    moe_intermediate_size=192),
+    # The SmolLM2-135M shape (dense Llama, tied embeddings): the reasoning recipe's model with random weights.
+    "smol-135m": dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=64, intermediate_size=1536, tie_word_embeddings=True),
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build_bench_model(preset: str, device: str, dtype: str, seed: int = 0, path: str | None = None):
-    """A random Qwen3-MoE of ``preset`` built directly on ``device`` in ``dtype``, or the HF folder ``path``."""
+    """A random model of ``preset`` (Qwen3-MoE, or Llama for a dense one) built directly on ``device`` in
+    ``dtype``, or the HF folder ``path``."""
     if path:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype = {dtype!r}: must be one of {sorted(_DTYPES)}")
@@ -51,15 +55,19 @@ def build_bench_model(preset: str, device: str, dtype: str, seed: int = 0, path:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype = {dtype!r}: must be one of {sorted(_DTYPES)}")
     p = PRESETS[preset]
-    cfg = Qwen3MoeConfig(**p, intermediate_size=p["moe_intermediate_size"], decoder_sparse_step=1,
-                         mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=4096,
-                         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ids = dict(max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if "num_experts" in p:
+        cls, cfg = Qwen3MoeForCausalLM, Qwen3MoeConfig(**p, intermediate_size=p["moe_intermediate_size"],
+                                                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                                       tie_word_embeddings=False, **ids)
+    else:
+        cls, cfg = LlamaForCausalLM, LlamaConfig(**p, **ids)
     old = torch.get_default_dtype()
     torch.set_default_dtype(_DTYPES[dtype])
     try:
         torch.manual_seed(seed)
         with torch.device(device):
-            model = Qwen3MoeForCausalLM(cfg)
+            model = cls(cfg)
     finally:
         torch.set_default_dtype(old)
     return model.eval()

@@ -39,6 +39,9 @@ with its own loop:
 * **Routing recording** by a router forward hook that scatters the top-k ids into a
   preallocated ``[B, S, L, k]`` buffer at each row's position (device ops only, so it is
   captured with the step).
+* **Fused projections** on CUDA (:mod:`streamrl.engines.fused_projections`): q/k/v as one GEMM, a
+  dense MLP's gate/up as one, over the parameters stacked in place at construction (a GPU decode
+  step's time follows its kernel count; a CPU one's its FLOPs, where fusing measured no faster).
 * MoE experts on CUDA (bf16/fp16): a decode step runs every expert on every row, weighted by the routing
   (:mod:`streamrl.engines.dense_experts`: two GEMMs, the down projections' over ``down_proj``
   laid out expert-minor in place at construction, instead of the sort/gather/scatter bookkeeping
@@ -67,6 +70,7 @@ from streamrl.engines.adapter_merge import EngineWeights
 from streamrl.engines.base import BetweenSteps, Generation, teacher_forced_logprobs
 from streamrl.engines.decode_loop import DecodeLoop, OnFinished
 from streamrl.engines.dense_experts import DENSE, lay_out_for_dense_decode
+from streamrl.engines.fused_projections import fuse_projections
 from streamrl.engines.hf_fast_config import FLEX_MIN_LEN, FastHFConfig
 from streamrl.engines.host_io import to_device
 from streamrl.engines.kv_sessions import KeptSessions
@@ -139,6 +143,8 @@ class FastHFEngine:
             self.experts_impl = "batched_mm" if (self.device.type == "cuda" and dtype == torch.float32) else DENSE
         if self.experts_impl == DENSE:
             lay_out_for_dense_decode(self.model)  # one GEMM for all down projections (values unchanged)
+        if self.device.type == "cuda":  # one GEMM for q/k/v and one for gate/up (values unchanged)
+            fuse_projections(self.model)
         self._params = dict(model.named_parameters())
         self._weights = EngineWeights(self._params, lora_base)
         self._build_cache(mc, dtype)

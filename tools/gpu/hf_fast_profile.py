@@ -6,7 +6,8 @@ SPANS: the attended span(s) of the timed graphs, comma-separated (the rollout_lo
 128..1152); the kernel profile is of the last span's graph replays (device ms per kernel family and the top
 kernels as one JSON line, torch.profiler's table in $OUT/hf_fast_profile_b<B>_span<S>.txt). NO_PROFILE=1
 skips it. EXPERTS=grouped_mm (or another transformers name) A/Bs the engine's experts implementation
-(default: the engine's auto choice); ATTN=sdpa|flex the static cache's decode attention (default auto: flex on CUDA).
+(default: the engine's auto choice); ATTN=sdpa|flex the static cache's decode attention (default auto: flex on CUDA);
+PRESET (default moe-1b) the random model (streamrl.bench.hf_fast.PRESETS: smol-135m is the reasoning recipe's shape).
 The first line also counts the host<->device syncs of one generate call (torch's sync debug
 mode), next to its decode steps: the loop should sync once per ``sync_every`` steps.
 """
@@ -26,13 +27,14 @@ KV = sys.argv[2] if len(sys.argv) > 2 else "static"  # static | paged
 SPANS = [int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "256").split(",")]
 SPAN = SPANS[-1]
 MAX_LEN = max(384, max(SPANS))
-model = build_bench_model("moe-1b", "cuda", "bfloat16")
-eng = FastHFEngine(model, None, FastHFConfig(device="cuda", batch_size=B, max_seq_len=MAX_LEN, eos_token_id=32768,
+model = build_bench_model(os.environ.get("PRESET", "moe-1b"), "cuda", "bfloat16")
+VOCAB = model.config.vocab_size
+eng = FastHFEngine(model, None, FastHFConfig(device="cuda", batch_size=B, max_seq_len=MAX_LEN, eos_token_id=VOCAB,
                    kv_cache=KV, span_bucket=SPAN if SPAN % 16 == 0 else 128,
                    experts_implementation=os.environ.get("EXPERTS", "auto"),
                    decode_attention=os.environ.get("ATTN", "auto")))
 ATTN = eng.decode_attention
-prompts = torch.randint(3, 32768, (B, P)).tolist()
+prompts = torch.randint(3, VOCAB, (B, P)).tolist()
 eng.generate(prompts, 8, 1.0)  # captures the graph of the first span
 steps0 = eng.decode_steps
 with warnings.catch_warnings(record=True) as caught:
