@@ -269,7 +269,8 @@ def run_plane(plane: str, sizes_mb: list[int], subs: list[int], args, redis_url:
                     if rep >= warm:
                         row = _row(plane, size, n, e2e, pt, peak, st, base, args.bucket_mb * MB)
                         if gpu_peak is not None:  # ipc: the publisher's GPU memory beside the learner's weights
-                            row.update(gpu_store_mb=pub.store.nbytes / MB, gpu_publish_peak_mb=gpu_peak / MB)
+                            row.update(ipc_buffers=args.ipc_buffers, gpu_store_mb=pub.store.nbytes / MB,
+                                       gpu_publish_peak_mb=gpu_peak / MB)
                         best = row if best is None or row["e2e_s"] < best["e2e_s"] else best
                 rows.append(best)
                 _print_row(best)
