@@ -103,8 +103,8 @@ def _qkv_forward(self, hidden_states, position_embeddings=None, attention_mask=N
         k, v = past_key_values.update(k, v, self.layer_idx)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self.eager_attention)
     window = {} if self.window is None else {"sliding_window": self.window(self)}
-    out, weights = attention(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
-                             scaling=self.scaling, **window, **kwargs)
+    dropout = 0.0 if not self.training else self.attention_dropout
+    out, weights = attention(self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **window, **kwargs)
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
