@@ -3,7 +3,7 @@
 A decode step runs every projection on ``B`` rows, one token per slot: GEMMs of a few MB of
 weights that take a few microseconds each, so a step's time follows its kernel count more than
 its bytes (the SmolLM2 shape decodes 128 slots in 3.25 ms on an H100, ~110 us per layer, where its
-weights take ~9 us to read). Attention reads one input three times (q, k, v) and a gated MLP twice
+7 MB of weights take ~2 us to read). Attention reads one input three times (q, k, v) and a gated MLP twice
 (gate, up): one GEMM over the projections' weights stacked row-wise gives the same products with
 two kernels fewer per attention and one fewer per MLP (90 of a 30-layer dense model's step).
 
