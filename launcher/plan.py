@@ -16,7 +16,9 @@ from streamrl.config import Config
 from streamrl.placement import NodePlan, assign_threads, plan_node, uses_cuda
 
 # Defaults for every child; the placement's per-process threads (placement.assign_threads) override them.
-BASE_ENV = {"OMP_NUM_THREADS": "1", "STREAMRL_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# PYTHONFAULTHANDLER: a native crash (SIGSEGV, SIGBUS, SIGABRT) writes every thread's Python stack into
+# the process's log before it dies, so the exit diagnosis points at a line rather than only a signal.
+BASE_ENV = {"OMP_NUM_THREADS": "1", "STREAMRL_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 @dataclass
