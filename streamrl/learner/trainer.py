@@ -43,6 +43,7 @@ from streamrl.models.moe import find_moe_blocks
 from streamrl.parallel.expert_parallel import full_parameter, global_param_specs, parallelize, shard_policy
 from streamrl.parallel.grad_clip import clip_grad_norm_on_device
 from streamrl.parallel.mesh import build_mesh
+from streamrl.parallel.micro_batch_gathering import MicroBatchGathering
 from streamrl.roles.reference import load_reference_model, reference_role_configured, served_ref_logprobs
 from streamrl.trajectory import num_trajectories
 from streamrl.utils import use_tf32
@@ -104,6 +105,7 @@ class Trainer:
         if self.lora is not None:
             self.lora.freeze_base()
         self.model = model
+        self.gathering = MicroBatchGathering(model, self.mesh.dims.world)
         # flex: packed rows get a BlockMask (masked tiles skipped); segments: each packed row's
         # attention by segment (the CPU default); padded inputs run sdpa either way.
         self.attention = resolve_attention(lc.attention, self.device.type)
@@ -302,20 +304,22 @@ class Trainer:
             self.optim.zero_grad(set_to_none=True)
         dev_grid = self._h2d(grid.loss_mask, grid.behav, adv)
         sums = MetricSums()
-        for i, m in enumerate(micro):
-            logp, ent, values, routers = self._run(self.model, m, grid.width, entropy=self._computes_entropy(),
-                                                   values=True)
-            out = ForwardOutputs(logp, ent, values, routers)
-            tgt = self._loss_targets(batch, grid, dev_grid, m, out, None if prox is None else prox[i],
-                                     None if crit_pre is None else crit_pre[i])
-            tgt.router_share, tgt.micro_batches = weights[i] / total_w, len(micro)
-            loss, metrics = self.loss_fn(out, tgt, norm)
-            sums.add_all(metrics)
-            sums.tokens += tgt.tokens
-            loss.backward()
-            # The next micro-batch's host work (packing, pinned copies, H2D, block mask) while
-            # the device runs this one's backward (queued by now on CUDA).
-            micro.prefetch(i + 1)
+        with self.gathering.minibatch():
+            for i, m in enumerate(micro):
+                logp, ent, values, routers = self._run(self.model, m, grid.width, entropy=self._computes_entropy(),
+                                                       values=True)
+                out = ForwardOutputs(logp, ent, values, routers)
+                tgt = self._loss_targets(batch, grid, dev_grid, m, out, None if prox is None else prox[i],
+                                         None if crit_pre is None else crit_pre[i])
+                tgt.router_share, tgt.micro_batches = weights[i] / total_w, len(micro)
+                loss, metrics = self.loss_fn(out, tgt, norm)
+                sums.add_all(metrics)
+                sums.tokens += tgt.tokens
+                self.gathering.before_backward(last=i == len(micro) - 1)
+                loss.backward()
+                # The next micro-batch's host work (packing, pinned copies, H2D, block mask) while
+                # the device runs this one's backward (queued by now on CUDA).
+                micro.prefetch(i + 1)
         key = "learner/behaviour_logprob_abs_diff"
         sums.values[key] = sums.values[key] / sums.tokens if sums.tokens else 0.0
         if optimizer_step:
