@@ -225,6 +225,14 @@ def test_bench_reports_ratio():
     assert res["ratio_vs_plain_generate"] > 0 and res["params_active"] < res["params_total"]
 
 
+@pytest.mark.parametrize("name, want", [("NVIDIA H200", 4.8), ("NVIDIA H100 80GB HBM3", 3.35),
+                                        ("NVIDIA H100 PCIe", 2.0), ("NVIDIA H100 NVL", 3.9), ("Tesla T4", None)])
+def test_bandwidth_floor_uses_the_cards_own_bandwidth(name, want):
+    from streamrl.bench.hf_fast import spec_bandwidth_tb_s
+
+    assert spec_bandwidth_tb_s(name) == want
+
+
 def test_group_bench_shares_prefill_and_matches_generate(tiny):
     from streamrl.bench.hf_fast import bench_groups
 

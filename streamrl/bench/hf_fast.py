@@ -84,6 +84,16 @@ def param_counts(model) -> dict:
     return {"params_total": total, "params_active": active, "params_embedding": embed}
 
 
+# Spec HBM bandwidth (TB/s) by a substring of torch.cuda.get_device_name(), most specific first.
+SPEC_BANDWIDTH_TB_S = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35),
+                       ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935), ("A100", 1.555))
+
+
+def spec_bandwidth_tb_s(device_name: str) -> float | None:
+    """The card's spec memory bandwidth in TB/s, None for a card not in :data:`SPEC_BANDWIDTH_TB_S`."""
+    return next((bw for key, bw in SPEC_BANDWIDTH_TB_S if key in device_name), None)
+
+
 def bandwidth_floor(model, batch: int, prompt_len: int, new_tokens: int, bytes_per_s: float) -> dict:
     """Bytes one decode step must read (weights + mean attended K/V) and the implied tok/s bound."""
     cfg = model.config
@@ -124,7 +134,7 @@ def _sync(device: str) -> None:
 
 def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str = "float32", batch: int = 16,
                            prompt_len: int = 16, new_tokens: int = 32, seed: int = 0,
-                           bandwidth_tb_s: float = 4.8, skip_generate: bool = False,
+                           bandwidth_tb_s: float | None = None, skip_generate: bool = False,
                            compile: bool | None = None, model_path: str | None = None, span_bucket: int = 128,
                            generate_tokens: int | None = None, kv_cache: str = "static", block_size: int = 16,
                            spread_lengths: bool = False, paged_attention: str = "gather",
@@ -140,6 +150,8 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
     different lengths); the fast path then counts the tokens it drew. ``experts``: the engine's
     ``experts_implementation`` ("auto", or a transformers name such as "grouped_mm" to A/B it);
     ``decode_attention``: the static cache's decode attention ("auto", "sdpa" or "flex").
+    ``bandwidth_tb_s``: the memory bandwidth of the floor (default: the card's spec,
+    :func:`spec_bandwidth_tb_s`; on a card not listed there the floor is left out).
     """
     for name, v in (("batch", batch), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
         if v < 1:
@@ -161,7 +173,9 @@ def bench_fast_vs_generate(preset: str = "tiny", device: str = "cpu", dtype: str
     if not skip_generate:
         out.update(_time_generate(model, prompts.to(device), generate_tokens or new_tokens, no_eos, device))
         out["ratio_vs_plain_generate"] = out["fast_tok_s"] / out["generate_tok_s"]
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and bandwidth_tb_s is None:
+        bandwidth_tb_s = spec_bandwidth_tb_s(out["gpu"])
+    if device.startswith("cuda") and bandwidth_tb_s is not None:
         floor = bandwidth_floor(model, batch, prompt_len, new_tokens, bandwidth_tb_s * 1e12)
         out.update(floor, bandwidth_tb_s=bandwidth_tb_s, gap_to_floor=floor["floor_tok_s"] / out["fast_tok_s"])
     engine.close()
@@ -286,7 +300,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None, help="default 16 (tiny) / 256 (moe-1b)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 16 (tiny) / 128 (moe-1b)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 32 (tiny) / 256 (moe-1b)")
-    p.add_argument("--bandwidth-tb-s", type=float, default=4.8, help="memory bandwidth for the floor (H200: 4.8)")
+    p.add_argument("--bandwidth-tb-s", type=float, default=None,
+                   help="memory bandwidth for the floor in TB/s (default: the card's spec, e.g. H200 4.8, H100 SXM 3.35)")
     p.add_argument("--skip-generate", action="store_true", help="time only the fast path")
     p.add_argument("--no-compile", action="store_true", help="capture the plain (uncompiled) decode step")
     p.add_argument("--model-path", default=None, help="HF folder to run instead of --preset (e.g. a SmolLM2 folder)")
