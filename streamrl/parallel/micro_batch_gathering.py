@@ -7,7 +7,8 @@ wrapped for mixed precision: :func:`~streamrl.parallel.expert_parallel.shard_pol
 nothing, so each gather is only the fp32 -> bf16 cast and copies of the whole model. On the
 1.31 B MoE at 4k tokens, four 32k-token micro-batches per optimizer step, those were 8 gathers a
 step: ~47 ms of 742 ms device time (device-to-device copies 36 ms, bf16 casts 11 ms; H100,
-``RUNS=c4k128p bash tools/gpu/learner_moe.sh``).
+``RUNS=c4k128p bash tools/gpu/learner_moe.sh``). Gathering once made that step ~3 % faster (median
+of five alternated pairs; docs/benchmarks.md, "Learner step").
 
 Within a minibatch the weights do not change, so on a one-rank mesh :class:`MicroBatchGathering`
 keeps each layer's gathered bf16 parameters from the first forward to the last backward: one
