@@ -55,3 +55,18 @@ def test_bench_learner_headline_is_the_shared_step(tiny_folder):
     assert shared["max_abs_grad"] > 0  # the gradients compared are not all zero
     # every step runs every sample: no zero-advantage sample is left out of the comparison
     assert res["drop_zero_advantage"] is False and shared["dropped_zero_adv_frac"] == 0.0
+
+
+def test_profile_breakdown_names_the_kernels_no_family_matched(tmp_path):
+    import torch
+
+    from streamrl.bench.learner_step import profile_breakdown
+
+    x = torch.randn(64, 64)
+    table = tmp_path / "table.txt"
+    res = profile_breakdown(lambda: torch.cumsum(torch.tanh(x), 0), 2, torch.device("cpu"), lambda: None,
+                            table_path=str(table), top=5)
+    assert res["device_ms_per_step"] > 0 and {"other", "index / sort / scatter (dispatch)"} <= res["families_ms"].keys()
+    others = [name for name, _ in res["top_other_kernels_ms"]]
+    assert "aten::tanh" in others and "aten::cumsum" not in others  # cumsum has its family (dispatch)
+    assert "aten::tanh" in table.read_text() and "aten::cumsum" in table.read_text()

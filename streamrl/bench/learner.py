@@ -28,9 +28,9 @@ false`` in the JSON, ``dropped_zero_adv_frac`` 0 per step), so the padded and pa
 run the same samples whatever the batch's advantages.
 
 ``--attention`` picks ``learner.attention`` (auto: FlexAttention block masks on CUDA,
-attention by segments on CPU); ``--profile N`` profiles N more steps with torch.profiler and writes its table of
-the top 25 kernels by self device time to ``--profile-out`` (kernel families and top kernels
-also go into the JSON).
+attention by segments on CPU); ``--profile N`` profiles N more steps with torch.profiler and writes its whole
+kernel table by self device time to ``--profile-out`` (kernel families, the top 25 kernels and
+the top 25 of the family "other" also go into the JSON).
 
 ``--synthetic-moe`` (the GPU case, ``tools/gpu/learner_long.sh``): the 1.31 B Qwen3-MoE of
 :mod:`streamrl.bench.learner_step` (same shapes, random weights), saved once as an HF folder
@@ -95,7 +95,7 @@ def parse_args(argv=None):
     p.add_argument("--logprob-chunk", type=int, default=0,
                    help="learner.logprob_chunk_tokens (rows per LM-head chunk); 0 keeps the config's")
     p.add_argument("--profile", type=int, default=0,
-                   help="after the timed steps, profile this many steps: top-25 kernel table into --profile-out, "
+                   help="after the timed steps, profile this many steps: the kernel table into --profile-out, "
                         "kernel families and top kernels into the JSON")
     p.add_argument("--profile-out", default="learner_profile.txt", help="the profiler table of --profile")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")

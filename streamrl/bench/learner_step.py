@@ -105,10 +105,11 @@ _FAMILIES = (
 
 
 def profile_breakdown(step, n: int, device, sync, table_path: str = "", top: int = 15) -> dict:
-    """Device time per kernel family over ``n`` steps, plus the ``top`` kernels (ms per step).
+    """Device time per kernel family over ``n`` steps, plus the ``top`` kernels overall and the
+    ``top`` kernels of the family "other" (the ones no family name matched), ms per step.
 
-    ``table_path``: also write torch.profiler's table of the ``top`` entries by self device
-    time (CPU time on CPU) there.
+    ``table_path``: also write torch.profiler's whole table, by self device time (CPU time on
+    CPU), there.
     """
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
@@ -125,19 +126,25 @@ def profile_breakdown(step, n: int, device, sync, table_path: str = "", top: int
         if t > 0:
             rows.append((e.key, t / 1e3 / n))
     fam: dict[str, float] = {}
+    other = []
     for name, ms in rows:
         low = name.lower()
         f = next((f for f, keys in _FAMILIES if any(k in low for k in keys)), "other")
         fam[f] = fam.get(f, 0.0) + ms
+        if f == "other":
+            other.append((name, ms))
     total = sum(fam.values())
     if table_path:
         key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         with open(table_path, "w") as f:
-            f.write(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=80))
-    top = sorted(rows, key=lambda r: -r[1])[:top]
+            f.write(prof.key_averages().table(sort_by=key, row_limit=-1, max_name_column_width=120))
+
+    def largest(kernels):
+        return [[k[:90], round(v, 3)] for k, v in sorted(kernels, key=lambda r: -r[1])[:top]]
+
     return {"device_ms_per_step": round(total, 2),
             "families_ms": {k: round(v, 2) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [[k[:90], round(v, 3)] for k, v in top]}
+            "top_kernels_ms": largest(rows), "top_other_kernels_ms": largest(other)}
 
 
 def _init(args) -> tuple[int, int, torch.device]:

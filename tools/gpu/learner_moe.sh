@@ -96,7 +96,8 @@ keep = ("step_s", "tokens_per_s", "tflops", "mfu_vs_peak", "peak_cuda_GiB", "att
 out = {"run": run, "seq": L, "tokens_per_step": tok, "rc": rc, "wall_s": wall, **{k: res[k] for k in keep if k in res}}
 prof = res.get("profile") or {}
 if prof:
-    out["profile"] = {k: prof.get(k) for k in ("device_ms_per_step", "families_ms", "top_kernels_ms")}
+    out["profile"] = {k: prof.get(k) for k in ("device_ms_per_step", "families_ms", "top_kernels_ms",
+                                                    "top_other_kernels_ms")}
 if rc != 0 or not res:
     out["error"] = text[-800:]
 print(json.dumps(out))
