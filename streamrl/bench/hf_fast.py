@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=None, help="default 16 (tiny) / 128 (moe-1b)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 32 (tiny) / 256 (moe-1b)")
     p.add_argument("--bandwidth-tb-s", type=float, default=None,
-                   help="memory bandwidth for the floor in TB/s (default: the card's spec, e.g. H200 4.8, H100 SXM 3.35)")
+                   help="memory bandwidth of the floor in TB/s (default: the card's spec; H200 4.8, H100 SXM 3.35)")
     p.add_argument("--skip-generate", action="store_true", help="time only the fast path")
     p.add_argument("--no-compile", action="store_true", help="capture the plain (uncompiled) decode step")
     p.add_argument("--model-path", default=None, help="HF folder to run instead of --preset (e.g. a SmolLM2 folder)")
