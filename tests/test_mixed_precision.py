@@ -186,10 +186,23 @@ def test_bf16_policy_on_one_rank_computes_bf16_over_fp32_masters():
 
 
 def _gathering_on_and_off(rank, world, tmp):
+    """The micro-batches variant with the gathering on, then off; each with the number of gathers
+    FSDP2 ran (on one rank a gather is the copy made in ``wait_for_unshard`` after an unshard)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
     from streamrl.parallel.micro_batch_gathering import MicroBatchGathering
 
+    gathers = [0]
+    wait_for_unshard = FSDPParamGroup.wait_for_unshard
+
+    def counted(group):
+        gathers[0] += group._all_gather_result is not None
+        return wait_for_unshard(group)
+
+    FSDPParamGroup.wait_for_unshard = counted
     _force_wrapping()
-    on = _variant_steps(pathlib.Path(tmp) / "on", MICRO_BATCHES)
+    on = {**_variant_steps(pathlib.Path(tmp) / "on", MICRO_BATCHES), "gathers": gathers[0]}
+    gathers[0] = 0
     init = MicroBatchGathering.__init__
 
     def inactive(self, model, world):
@@ -197,7 +210,8 @@ def _gathering_on_and_off(rank, world, tmp):
         self.active = False
 
     MicroBatchGathering.__init__ = inactive
-    return {"on": on, "off": _variant_steps(pathlib.Path(tmp) / "off", MICRO_BATCHES)}
+    off = {**_variant_steps(pathlib.Path(tmp) / "off", MICRO_BATCHES), "gathers": gathers[0]}
+    return {"on": on, "off": off}
 
 
 @pytest.mark.timeout(300)
@@ -208,6 +222,7 @@ def test_one_gather_per_minibatch_trains_exactly_like_fsdp_defaults(tmp_path):
     out = spawn_gloo(_gathering_on_and_off, 1, str(tmp_path / "w"), timeout_s=240)[0]
     on, off = out["on"], out["off"]
     assert on["wrapped"] and off["wrapped"]
+    assert 0 < on["gathers"] < off["gathers"], (on["gathers"], off["gathers"])  # the gathering did something
     assert on["losses"] == off["losses"]
     for n, v in off["params"].items():
         assert torch.equal(on["params"][n], v), n
